@@ -1,0 +1,130 @@
+"""Checkpoints: safetensors + JSON only (nothing is unpickled), written to a temp dir and renamed into place.
+
+checkpoints/step_NNNNNN/
+  pytorch_lora_weights.safetensors  the LoRA, loadable by StableDiffusion3Pipeline.load_lora_weights (with its
+                                    adapter metadata, so alpha/r scaling is right)     [LoRA runs]
+  transformer/                      the full transformer, diffusers format             [full fine-tuning]
+  trainable.safetensors             the trained parameters by module name (exact resume)
+  optimizer.safetensors             AdamW moments and step counts
+  ema.safetensors                   EMA shadow weights (if train.ema_decay > 0)
+  rng.safetensors                   torch CPU RNG state
+  trainer_state.json                step, optimizer hyper-parameters, LR-schedule position, data position,
+                                    per-prompt tracker, Python/NumPy RNG, policy version
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from gerl.errors import UserError
+from gerl.models.loader import save_lora
+
+
+def step_dir(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"step_{step:06d}"
+
+
+def _optimizer_to_flat(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+    sd = opt.state_dict()
+    tensors = {}
+    for pid, st in sd["state"].items():
+        for k, v in st.items():
+            tensors[f"{pid}.{k}"] = torch.as_tensor(v).detach().cpu().contiguous()
+    return tensors, {"param_groups": sd["param_groups"]}
+
+
+def _optimizer_from_flat(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
+    state: dict[int, dict] = {}
+    for key, v in tensors.items():
+        pid, name = key.split(".", 1)
+        state.setdefault(int(pid), {})[name] = v
+    return {"state": state, "param_groups": meta["param_groups"]}
+
+
+def save_checkpoint(run_dir: Path, step: int, actor, extra_state: dict, keep_last: int = 0) -> Path:
+    """Write the checkpoint of `step` atomically and prune old ones. `extra_state` must be JSON-serialisable."""
+    final = step_dir(run_dir, step)
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    if actor.lora:
+        save_lora(actor.transformer, tmp)
+    else:
+        actor.transformer.save_pretrained(tmp / "transformer", safe_serialization=True)
+    save_file(actor.trainable_state(), str(tmp / "trainable.safetensors"))
+    opt_tensors, opt_meta = _optimizer_to_flat(actor.optimizer)
+    save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
+    if actor.ema is not None:
+        save_file({n: s.float().cpu().contiguous() for (n, _), s in zip(actor.named_params, actor.ema.shadow)},
+                  str(tmp / "ema.safetensors"))
+    save_file({"torch_cpu": torch.get_rng_state()}, str(tmp / "rng.safetensors"))
+    np_state = np.random.get_state()
+    state = {
+        "step": step,
+        "policy_version": actor.version,
+        "optimizer": opt_meta,
+        "lr_scheduler": actor.lr_scheduler.state_dict(),
+        "python_rng": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+        "numpy_rng": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+        **extra_state,
+    }
+    state["lr_scheduler"].pop("lr_lambdas", None)
+    (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+    if keep_last > 0:
+        for old in list_checkpoints(run_dir)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_") and not p.name.endswith(".tmp")
+                  and (p / "trainer_state.json").is_file())
+
+
+def find_resume_checkpoint(run_dir: Path, resume: str) -> Path | None:
+    """resume = "false" → None; "true" → the latest checkpoint in run_dir (None if there is none yet); a path →
+    that checkpoint, or a UserError."""
+    if resume in ("false", ""):
+        return None
+    if resume == "true":
+        ckpts = list_checkpoints(run_dir)
+        return ckpts[-1] if ckpts else None
+    p = Path(resume)
+    if not (p / "trainer_state.json").is_file():
+        raise UserError(f"resume={resume}: not a checkpoint directory (no trainer_state.json); "
+                        "pass resume=true or a path like RUN/checkpoints/step_000010")
+    return p
+
+
+def load_checkpoint(path: Path, actor) -> dict:
+    """Restore the actor (weights, optimizer, LR schedule, EMA) and RNGs; return the JSON state for the rest."""
+    state = json.loads((path / "trainer_state.json").read_text())
+    actor.load_trainable_state(load_file(str(path / "trainable.safetensors")))
+    actor.optimizer.load_state_dict(_optimizer_from_flat(load_file(str(path / "optimizer.safetensors")), state["optimizer"]))
+    sched = actor.lr_scheduler.state_dict()
+    sched.update({k: v for k, v in state["lr_scheduler"].items() if k in sched})
+    actor.lr_scheduler.load_state_dict(sched)
+    if actor.ema is not None and (path / "ema.safetensors").is_file():
+        ema = load_file(str(path / "ema.safetensors"))
+        for (n, _), s in zip(actor.named_params, actor.ema.shadow):
+            s.copy_(ema[n])
+    actor.version = state["policy_version"]
+    torch.set_rng_state(load_file(str(path / "rng.safetensors"))["torch_cpu"])
+    py = state["python_rng"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    npr = state["numpy_rng"]
+    np.random.set_state((npr[0], np.array(npr[1], dtype=np.uint32), *npr[2:]))
+    return state

@@ -1,0 +1,161 @@
+"""`gerl train | sample | eval`. Bad input → one line on stderr and exit code 2 (a traceback only with --debug)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from gerl.errors import UserError
+
+
+def _quiet_libraries() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from transformers.utils import logging as tl
+    from diffusers.utils import logging as dl
+
+    tl.set_verbosity_error()
+    dl.set_verbosity_error()
+    tl.disable_progress_bar()
+    dl.disable_progress_bar()
+
+
+def cmd_train(args) -> int:
+    from gerl.config import load_config
+    from gerl.trainer import train
+
+    cfg = load_config(args.config, args.overrides)
+    run_dir = train(cfg)
+    print(f"gerl: run written to {run_dir}  (metrics.jsonl, tensorboard/, samples/, checkpoints/)")
+    return 0
+
+
+def _pipeline_for(args):
+    from gerl.config import SamplingConfig
+    from gerl.models.loader import TextEmbedder, load_lora_into_pipeline, load_pipeline, lora_file
+    from gerl.workers.rollout import RolloutWorker
+
+    if args.lora:
+        lora_file(args.lora)  # fail on a bad path before loading the model
+    pipe = load_pipeline(args.model, args.dtype, args.device)
+    if args.lora:
+        load_lora_into_pipeline(pipe, args.lora)
+    sampling = SamplingConfig(micro_batch_size=args.batch_size)
+    return RolloutWorker(pipe, TextEmbedder(pipe, args.max_sequence_length), sampling, args.resolution, args.seed)
+
+
+def _read_prompts(args) -> tuple[list[str], list[dict]]:
+    from gerl.data.prompts import load_prompts
+
+    texts, meta = list(args.prompt or []), [{} for _ in args.prompt or []]
+    if args.prompts:
+        loaded = load_prompts(args.prompts)[: args.num_prompts or None]
+        texts += [p.text for p in loaded]
+        meta += [dict(p.metadata) for p in loaded]
+    if not texts:
+        raise UserError("no prompts given; pass --prompt TEXT (repeatable) or --prompts FILE")
+    return texts, meta
+
+
+def cmd_sample(args) -> int:
+    from gerl.logging.images import image_grid
+
+    texts, _ = _read_prompts(args)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file; pass a directory")
+    worker = _pipeline_for(args)
+    prompts = [t for t in texts for _ in range(args.n)]
+    images = worker.sample_images(prompts, args.seed, args.num_steps, args.guidance)
+    out.mkdir(parents=True, exist_ok=True)
+    for i, im in enumerate(images):
+        im.save(out / f"{i:04d}.png")
+    image_grid(images, cols=args.n if args.n > 1 else None).save(out / "grid.png")
+    print(f"gerl: wrote {len(images)} images and grid.png to {out}")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from rewards.registry import build_reward, call_reward, validate_reward_inputs
+
+    texts, meta = _read_prompts(args)
+    kwargs = json.loads(args.reward_kwargs) if args.reward_kwargs else {}
+    fn = build_reward(args.reward, kwargs)
+    validate_reward_inputs(fn, texts, meta)
+    worker = _pipeline_for(args)
+    images = worker.sample_images(texts, args.seed, args.num_steps, args.guidance)
+    scores, _ = call_reward(fn, images, texts, meta)
+    valid = [s for s in scores if s is not None]
+    mean = sum(valid) / max(len(valid), 1)
+    result = {"reward": args.reward, "lora": args.lora, "num_prompts": len(texts), "mean": mean,
+              "scores": [{"prompt": t, "score": s} for t, s in zip(texts, scores)]}
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k != "scores"}))
+    return 0
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny", help="'tiny', a local diffusers directory, or a hub id")
+    p.add_argument("--lora", default=None, help="a checkpoint directory or .safetensors LoRA")
+    p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    p.add_argument("--prompts", default=None, help="a .txt or .jsonl prompt file")
+    p.add_argument("--num-prompts", type=int, default=0, help="use the first N prompts of --prompts (0 = all)")
+    p.add_argument("--num-steps", type=int, default=40, help="ODE denoising steps")
+    p.add_argument("--guidance", type=float, default=1.0, help="classifier-free guidance scale")
+    p.add_argument("--resolution", type=int, default=64)
+    p.add_argument("--max-sequence-length", type=int, default=32, help="T5 tokens (SD3.5: 256)")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gerl", description="Flow-GRPO post-training for SD3")
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks")
+    sub = parser.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train with a YAML config and dotted key=value overrides")
+    t.add_argument("config")
+    t.add_argument("overrides", nargs="*", help="e.g. train.learning_rate=3e-4 output_dir=runs/x")
+    t.set_defaults(fn=cmd_train)
+    s = sub.add_parser("sample", help="generate images from the base model or a LoRA")
+    _model_args(s)
+    s.add_argument("--n", type=int, default=1, help="images per prompt")
+    s.add_argument("--out", required=True, help="output directory")
+    s.set_defaults(fn=cmd_sample)
+    e = sub.add_parser("eval", help="score the base model or a LoRA on a prompt set with a reward")
+    _model_args(e)
+    e.add_argument("--reward", required=True, help="registered reward name or module:callable")
+    e.add_argument("--reward-kwargs", default="", help="JSON object of reward factory arguments")
+    e.add_argument("--out", default=None, help="write per-prompt scores as JSON here")
+    e.set_defaults(fn=cmd_eval)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    if debug:
+        argv.remove("--debug")
+    args = build_parser().parse_args(argv)
+    try:
+        _quiet_libraries()
+        return args.fn(args)
+    except UserError as e:
+        if debug:
+            raise
+        print(f"gerl: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("gerl: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

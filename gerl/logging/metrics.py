@@ -1,0 +1,70 @@
+"""Run logging: metrics.jsonl (one JSON object per step, the source of truth), TensorBoard, optional wandb."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from gerl.errors import UserError
+
+
+def _clean(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return None  # JSON has no NaN/inf; null marks it
+    return v
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: Path, tensorboard: bool, wandb: bool, wandb_project: str, config: dict,
+                 resume_step: int | None):
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / "metrics.jsonl"
+        if resume_step is not None and self.path.exists():
+            # Drop lines from steps after the checkpoint: they will be re-run, and must not appear twice.
+            keep = [ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln).get("step", 0) <= resume_step]
+            self.path.write_text("".join(ln + "\n" for ln in keep))
+        elif resume_step is None:
+            self.path.write_text("")
+        self._file = self.path.open("a")
+        self.tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=(resume_step + 1) if resume_step is not None else None)
+        self.wandb = None
+        if wandb:
+            try:
+                import wandb as wb
+            except ImportError:
+                raise UserError("log.wandb=true needs wandb: pip install 'gerl[wandb]' (or set log.wandb=false)") from None
+            self.wandb = wb.init(project=wandb_project, config=config, dir=str(self.run_dir), resume="allow")
+
+    def log(self, step: int, metrics: dict) -> None:
+        row = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if self.tb is not None:
+            for k, v in scalars.items():
+                self.tb.add_scalar(k, v, step)
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=step)
+
+    def log_image(self, tag: str, image: Image.Image, step: int) -> None:
+        if self.tb is not None:
+            self.tb.add_image(tag, np.asarray(image.convert("RGB")), step, dataformats="HWC")
+        if self.wandb is not None:
+            import wandb as wb
+
+            self.wandb.log({tag: wb.Image(image)}, step=step)
+
+    def close(self) -> None:
+        self._file.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()

@@ -1,0 +1,166 @@
+"""Load SD3 / SD3.5 (tiny, a local directory, or a hub id), attach LoRA, and cache prompt embeddings."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+
+from gerl.errors import UserError
+from gerl.sampling.loop import Embeds
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(name)
+    except RuntimeError:
+        raise UserError(f"model.device={name!r} is not a torch device; use auto, cpu, cuda or cuda:N") from None
+
+
+def load_pipeline(path: str, dtype: str = "fp32", device: str = "auto", tiny_seed: int = 0):
+    """StableDiffusion3Pipeline from "tiny", a local diffusers directory, or a hub id (from the local HF cache
+    or downloaded). Errors name the path and what to do."""
+    from diffusers import StableDiffusion3Pipeline
+
+    if dtype not in DTYPES:
+        raise UserError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if path == "tiny":
+        from gerl.models.tiny import build_tiny_sd3
+
+        pipe = build_tiny_sd3(tiny_seed)
+    elif Path(path).exists():
+        if not (Path(path) / "model_index.json").is_file():
+            raise UserError(f"model.path {path} is not a diffusers pipeline directory (no model_index.json); "
+                            "pass the folder that `save_pretrained` wrote, or a hub id")
+        pipe = StableDiffusion3Pipeline.from_pretrained(path, torch_dtype=DTYPES[dtype])
+    elif re.fullmatch(r"[\w.\-]+/[\w.\-]+", path):
+        try:
+            pipe = StableDiffusion3Pipeline.from_pretrained(path, torch_dtype=DTYPES[dtype])
+        except OSError as e:
+            raise UserError(f"cannot load {path} from the hub or the local HF cache ({str(e).splitlines()[0]}); "
+                            f"run `hf download {path}` where there is network, or pass a local directory") from None
+    else:
+        raise UserError(f"model.path {path!r} is neither 'tiny', an existing directory, nor a hub id like "
+                        "stabilityai/stable-diffusion-3.5-medium")
+    pipe.to(resolve_device(device), DTYPES[dtype])
+    pipe.set_progress_bar_config(disable=True)
+    for m in (pipe.transformer, pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3):
+        if m is not None:
+            m.requires_grad_(False)
+            m.eval()
+    return pipe
+
+
+def add_lora(transformer, rank: int, alpha: float, targets: list[str]):
+    """Attach a fresh LoRA (B = 0, so the policy starts equal to the base model) and keep its weights in fp32."""
+    from peft import LoraConfig
+
+    present = {name.split(".")[-1] for name, _ in transformer.named_modules()} | {
+        ".".join(name.split(".")[-2:]) for name, _ in transformer.named_modules()}
+    missing = [t for t in targets if t not in present]
+    if missing:
+        raise UserError(f"model.lora_targets {missing} match no module of the transformer; "
+                        "use names like to_q, to_k, to_v, to_out.0, add_q_proj")
+    transformer.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, init_lora_weights=True))
+    for p in transformer.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()  # fp32 master weights for the adapter even when the base is bf16
+    return transformer
+
+
+def lora_state_dict(transformer) -> dict[str, torch.Tensor]:
+    from peft.utils import get_peft_model_state_dict
+
+    return {k: v.detach().float().cpu().contiguous() for k, v in get_peft_model_state_dict(transformer).items()}
+
+
+def lora_metadata(transformer) -> dict:
+    """The adapter config saved beside the weights so loaders apply the right alpha / rank scaling."""
+    cfg = transformer.peft_config["default"].to_dict()
+    return {k: (sorted(v) if isinstance(v, set) else v) for k, v in cfg.items()}
+
+
+def save_lora(transformer, directory: str | Path) -> None:
+    """Write `pytorch_lora_weights.safetensors` in the format StableDiffusion3Pipeline.load_lora_weights loads."""
+    from diffusers import StableDiffusion3Pipeline
+
+    StableDiffusion3Pipeline.save_lora_weights(
+        str(directory),
+        transformer_lora_layers=lora_state_dict(transformer),
+        transformer_lora_adapter_metadata=lora_metadata(transformer),
+        weight_name=LORA_WEIGHT_NAME,
+    )
+
+
+def lora_file(path: str | Path) -> Path:
+    """A LoRA given as a checkpoint directory or a .safetensors file → the weights file, or a UserError."""
+    p = Path(path)
+    f = p / LORA_WEIGHT_NAME if p.is_dir() else p
+    if not f.is_file():
+        raise UserError(f"LoRA {path} does not exist (expected a checkpoint directory holding {LORA_WEIGHT_NAME} "
+                        "or a .safetensors file); check the path, e.g. RUN/checkpoints/step_000010")
+    return f
+
+
+def load_lora_into_pipeline(pipe, path: str | Path) -> None:
+    f = lora_file(path)
+    try:
+        pipe.load_lora_weights(str(f.parent), weight_name=f.name)
+    except (ValueError, KeyError, RuntimeError) as e:
+        raise UserError(f"LoRA {f} does not fit this model ({str(e).splitlines()[0][:200]}); "
+                        "was it trained on a different base model?") from None
+
+
+def read_lora_metadata(path: str | Path) -> dict:
+    from safetensors import safe_open
+
+    with safe_open(str(lora_file(path)), framework="pt") as f:
+        meta = f.metadata() or {}
+    raw = meta.get("lora_adapter_metadata")
+    return json.loads(raw) if raw else {}
+
+
+class TextEmbedder:
+    """Prompt → SD3 text embeddings, with an LRU cache so the three text encoders run once per distinct prompt."""
+
+    def __init__(self, pipe, max_sequence_length: int, cache_size: int = 4096):
+        self.pipe = pipe
+        self.max_sequence_length = max_sequence_length
+        self.cache_size = cache_size
+        self._cache: OrderedDict[str, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self.hits = self.misses = 0
+
+    @torch.no_grad()
+    def _encode(self, prompts: list[str]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        embeds, _, pooled, _ = self.pipe.encode_prompt(
+            prompt=prompts, prompt_2=None, prompt_3=None, device=self.pipe.transformer.device,
+            do_classifier_free_guidance=False, max_sequence_length=self.max_sequence_length,
+        )
+        return [(embeds[i], pooled[i]) for i in range(len(prompts))]
+
+    def _lookup(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        missing = list(dict.fromkeys(p for p in prompts if p not in self._cache))
+        self.misses += len(missing)
+        self.hits += len(prompts) - len(missing)
+        for p, e in zip(missing, self._encode(missing) if missing else []):
+            self._cache[p] = e
+        for p in prompts:
+            self._cache.move_to_end(p)
+        while len(self._cache) > max(self.cache_size, len(set(prompts))):
+            self._cache.popitem(last=False)
+        return (torch.stack([self._cache[p][0] for p in prompts]), torch.stack([self._cache[p][1] for p in prompts]))
+
+    def __call__(self, prompts: list[str], with_negative: bool = False) -> Embeds:
+        prompt, pooled = self._lookup(prompts)
+        if not with_negative:
+            return Embeds(prompt, pooled)
+        neg, neg_pooled = self._lookup([""] * len(prompts))
+        return Embeds(prompt, pooled, neg, neg_pooled)

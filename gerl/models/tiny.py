@@ -1,0 +1,156 @@
+"""A tiny, seeded, randomly initialised Stable Diffusion 3 built entirely offline.
+
+Every part of the real pipeline is present (MMDiT transformer, 16-channel VAE, two CLIP text encoders with
+projections, T5, and their tokenizers) at a size that runs a training step on a laptop CPU in about a second.
+The tokenizers are generated in code: CLIP gets a byte-level vocabulary with the `</w>` end-of-word variants its
+BPE needs and no merges (one token per character); T5 gets a unigram vocabulary of single characters.
+`save_tiny_sd3(dir)` writes a directory that `StableDiffusion3Pipeline.from_pretrained(dir)` loads.
+"""
+
+from __future__ import annotations
+
+import string
+
+import torch
+
+# Sizes chosen so that: CLIP-L proj + CLIP-G proj = pooled_projection_dim, and the padded CLIP embedding fits in
+# the T5 width (the SD3 pipeline pads the concatenated CLIP hidden states up to joint_attention_dim).
+CLIP_HIDDEN = 32
+CLIP_PROJ = 32
+T5_WIDTH = 64
+TOKEN_LENGTH = 32  # CLIP model_max_length and the T5 max_sequence_length used by the tiny recipes
+RESOLUTION = 64  # pixels; the VAE below downsamples 4x → 16×16 latents → 64 image tokens after 2×2 patches
+
+
+def _bytes_to_unicode() -> list[str]:
+    # The GPT-2/CLIP byte→printable-unicode table: every byte gets a visible character.
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return [chr(c) for c in cs]
+
+
+def build_clip_tokenizer():
+    from transformers import CLIPTokenizer
+
+    chars = _bytes_to_unicode()
+    vocab: dict[str, int] = {}
+    for c in chars:
+        vocab[c] = len(vocab)
+    for c in chars:  # CLIP's BPE appends </w> to the last symbol of every word: those must be in the vocab
+        vocab[c + "</w>"] = len(vocab)
+    for special in ("<|startoftext|>", "<|endoftext|>"):
+        vocab[special] = len(vocab)
+    tok = CLIPTokenizer(vocab=vocab, merges=[])
+    tok.model_max_length = TOKEN_LENGTH
+    return tok
+
+
+def build_t5_tokenizer():
+    from transformers import T5Tokenizer
+
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -1.0)]
+    pieces += [(c, -2.0) for c in string.printable.strip() if c not in "▁"]
+    pieces += [("▁" + c, -1.5) for c in string.ascii_letters + string.digits]
+    tok = T5Tokenizer(vocab=pieces, extra_ids=0)
+    tok.model_max_length = TOKEN_LENGTH
+    return tok
+
+
+def build_tiny_sd3(seed: int = 0):
+    """Build the tiny SD3 pipeline (fp32, CPU), deterministic for a given seed.
+
+    Returns:
+        diffusers.StableDiffusion3Pipeline
+    """
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+    )
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    torch.manual_seed(seed)
+    transformer = SD3Transformer2DModel(
+        sample_size=RESOLUTION // 4,
+        patch_size=2,
+        in_channels=16,
+        out_channels=16,
+        num_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=T5_WIDTH,
+        caption_projection_dim=32,
+        pooled_projection_dim=2 * CLIP_PROJ,
+        pos_embed_max_size=32,
+    )
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 3,
+        up_block_types=("UpDecoderBlock2D",) * 3,
+        block_out_channels=(8, 16, 16),
+        layers_per_block=1,
+        latent_channels=16,
+        norm_num_groups=4,
+        sample_size=RESOLUTION,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        shift_factor=0.0609,
+        scaling_factor=1.5305,
+    )
+    clip_cfg = dict(
+        hidden_size=CLIP_HIDDEN,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=TOKEN_LENGTH,
+        vocab_size=2 * 256 + 2,
+        projection_dim=CLIP_PROJ,
+        hidden_act="gelu",
+        bos_token_id=512,
+        eos_token_id=513,
+        pad_token_id=513,
+    )
+    text_encoder = CLIPTextModelWithProjection(CLIPTextConfig(**clip_cfg))
+    text_encoder_2 = CLIPTextModelWithProjection(CLIPTextConfig(**clip_cfg))
+    t5_tok = build_t5_tokenizer()
+    text_encoder_3 = T5EncoderModel(
+        T5Config(
+            vocab_size=len(t5_tok),
+            d_model=T5_WIDTH,
+            d_kv=16,
+            d_ff=64,
+            num_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            decoder_start_token_id=0,
+        )
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    clip_tok = build_clip_tokenizer()
+    pipe = StableDiffusion3Pipeline(
+        transformer=transformer,
+        scheduler=scheduler,
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=clip_tok,
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=build_clip_tokenizer(),
+        text_encoder_3=text_encoder_3,
+        tokenizer_3=t5_tok,
+    )
+    for module in (transformer, vae, text_encoder, text_encoder_2, text_encoder_3):
+        module.eval()
+    return pipe
+
+
+def save_tiny_sd3(path, seed: int = 0) -> None:
+    """Write the tiny SD3 to `path` as a diffusers directory (safetensors)."""
+    build_tiny_sd3(seed).save_pretrained(str(path), safe_serialization=True)

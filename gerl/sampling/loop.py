@@ -1,0 +1,183 @@
+"""The denoising loop: ODE everywhere except the SDE steps, recording exactly what training needs to replay them.
+
+A batch's schedule (σ_0 = 1 > σ_1 > … > σ_N = 0) comes from the model's own FlowMatchEulerDiscreteScheduler so
+that ODE sampling here reproduces the stock diffusers pipeline. The final step (σ_N = 0) is always an ODE step: the
+CPS std vanishes there and there is nothing left to explore.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gerl.sampling.steps import StepOutput, ode_step, stochastic_step
+
+
+@dataclass
+class Embeds:
+    """Text conditioning for a batch. prompt: (B, L, D), pooled: (B, P); the negative pair is for CFG."""
+
+    prompt: torch.Tensor
+    pooled: torch.Tensor
+    neg_prompt: torch.Tensor | None = None
+    neg_pooled: torch.Tensor | None = None
+
+    def index(self, idx) -> "Embeds":
+        pick = lambda t: None if t is None else t[idx]  # noqa: E731
+        return Embeds(pick(self.prompt), pick(self.pooled), pick(self.neg_prompt), pick(self.neg_pooled))
+
+    @staticmethod
+    def cat(items: list["Embeds"]) -> "Embeds":
+        cat = lambda ts: None if ts[0] is None else torch.cat(ts)  # noqa: E731
+        return Embeds(*(cat([getattr(e, f) for e in items]) for f in ("prompt", "pooled", "neg_prompt", "neg_pooled")))
+
+
+@dataclass
+class Schedule:
+    sigmas: torch.Tensor  # (N + 1,) fp32, from 1 down to 0
+    timesteps: torch.Tensor  # (N,) fp32, the transformer's timestep input (σ·1000 for SD3)
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.timesteps)
+
+    @property
+    def sigma_max(self) -> float:
+        # Largest σ below 1: Flow-GRPO's stand-in for σ = 1 in the SDE's 1 − σ denominator.
+        return float(self.sigmas[1]) if self.num_steps > 1 else 0.5
+
+
+def make_schedule(scheduler_config, num_steps: int) -> Schedule:
+    """σ and timestep schedule of `num_steps` steps, computed by a private copy of the model's scheduler."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    sched = FlowMatchEulerDiscreteScheduler.from_config(scheduler_config)
+    sched.set_timesteps(num_steps, device="cpu")
+    return Schedule(sched.sigmas.float().clone(), sched.timesteps.float().clone())
+
+
+@dataclass
+class Trajectory:
+    """The recorded SDE steps of a batch: everything needed to recompute their log-probs. K = recorded steps."""
+
+    latents: torch.Tensor  # (B, K, C, h, w) fp32 x_t before each recorded step
+    next_latents: torch.Tensor  # (B, K, C, h, w) fp32 x_{t+1} that the step produced
+    log_probs: torch.Tensor  # (B, K) fp32 rollout log-probs
+    step_indices: torch.Tensor  # (K,) long, index into the schedule
+    final_latents: torch.Tensor  # (B, C, h, w) fp32, the clean latents that were decoded
+
+    @staticmethod
+    def cat(items: list["Trajectory"]) -> "Trajectory":
+        if any(not torch.equal(t.step_indices, items[0].step_indices) for t in items):
+            raise ValueError("trajectories of one batch must share their recorded steps")
+        return Trajectory(
+            torch.cat([t.latents for t in items]),
+            torch.cat([t.next_latents for t in items]),
+            torch.cat([t.log_probs for t in items]),
+            items[0].step_indices,
+            torch.cat([t.final_latents for t in items]),
+        )
+
+
+def predict_velocity(transformer, x: torch.Tensor, timestep: torch.Tensor, embeds: Embeds, guidance: float) -> torch.Tensor:
+    """The transformer's velocity at x (B, C, h, w) for timesteps (B,), with classifier-free guidance if > 1.
+
+    The same function serves the rollout and the training replay: sharing it is what makes the recomputed
+    log-prob equal the rollout's.
+    """
+    dtype = next(transformer.parameters()).dtype
+    if guidance > 1.0:
+        if embeds.neg_prompt is None:
+            raise ValueError("guidance > 1 needs negative embeddings")
+        out = transformer(
+            hidden_states=torch.cat([x, x]).to(dtype),
+            timestep=torch.cat([timestep, timestep]),
+            encoder_hidden_states=torch.cat([embeds.neg_prompt, embeds.prompt]).to(dtype),
+            pooled_projections=torch.cat([embeds.neg_pooled, embeds.pooled]).to(dtype),
+            return_dict=False,
+        )[0]
+        uncond, cond = out.float().chunk(2)
+        return uncond + guidance * (cond - uncond)
+    return transformer(
+        hidden_states=x.to(dtype),
+        timestep=timestep,
+        encoder_hidden_states=embeds.prompt.to(dtype),
+        pooled_projections=embeds.pooled.to(dtype),
+        return_dict=False,
+    )[0].float()
+
+
+@torch.no_grad()
+def denoise(
+    transformer,
+    embeds: Embeds,
+    noise: torch.Tensor,
+    schedule: Schedule,
+    sde_steps: list[int],
+    sampler: str,
+    noise_level: float,
+    guidance: float,
+    generators: list[torch.Generator] | None,
+) -> Trajectory:
+    """Run the whole schedule from `noise` (B, C, h, w), stochastic on `sde_steps`, ODE elsewhere.
+
+    Args:
+        sde_steps: sorted schedule indices that are stochastic and recorded (never the final step).
+        generators: one CPU generator per sample for the SDE noise (sample-wise seeding keeps the images
+            independent of how the batch is split); may be None when sde_steps is empty.
+    """
+    if sde_steps and sde_steps[-1] >= schedule.num_steps - 1:
+        raise ValueError(f"the final step ({schedule.num_steps - 1}) cannot be stochastic; got sde_steps={sde_steps}")
+    x = noise.float()
+    B = x.shape[0]
+    recorded_x, recorded_next, recorded_lp = [], [], []
+    sde_set = set(sde_steps)
+    for i in range(schedule.num_steps):
+        sigma, sigma_next = schedule.sigmas[i], schedule.sigmas[i + 1]
+        t = schedule.timesteps[i].expand(B).to(x.device)
+        v = predict_velocity(transformer, x, t, embeds, guidance)
+        if i in sde_set:
+            out: StepOutput = stochastic_step(sampler, v, x, sigma, sigma_next, noise_level, schedule.sigma_max,
+                                              generator=generators)
+            recorded_x.append(x)
+            recorded_next.append(out.prev_sample)
+            recorded_lp.append(out.log_prob)
+        else:
+            out = ode_step(v, x, sigma, sigma_next)
+        x = out.prev_sample
+    shape = (B, 0, *x.shape[1:])
+    return Trajectory(
+        torch.stack(recorded_x, 1) if recorded_x else x.new_zeros(shape),
+        torch.stack(recorded_next, 1) if recorded_next else x.new_zeros(shape),
+        torch.stack(recorded_lp, 1) if recorded_lp else x.new_zeros(B, 0),
+        torch.tensor(sorted(sde_set), dtype=torch.long),
+        x,
+    )
+
+
+def replay_log_prob(transformer, traj_x, traj_next, step_idx, embeds, schedule, sampler, noise_level, guidance) -> StepOutput:
+    """Recompute the log-prob of recorded transitions at the transformer's current weights (with grad).
+
+    Args:
+        traj_x, traj_next: (B, C, h, w) x_t and the recorded x_{t+1}.
+        step_idx: (B,) long schedule indices (samples in a batch may be at different steps).
+    """
+    sigma = schedule.sigmas[step_idx].to(traj_x.device)
+    sigma_next = schedule.sigmas[step_idx + 1].to(traj_x.device)
+    t = schedule.timesteps[step_idx].to(traj_x.device)
+    v = predict_velocity(transformer, traj_x, t, embeds, guidance)
+    return stochastic_step(sampler, v, traj_x, sigma, sigma_next, noise_level, schedule.sigma_max, prev_sample=traj_next)
+
+
+def sde_window(num_steps: int, window_size: int, window_range: tuple[int, int], rng: torch.Generator) -> list[int]:
+    """The stochastic steps of one batch.
+
+    window_size = 0: Flow-GRPO — every step but the final one. Otherwise Flow-GRPO-Fast — `window_size`
+    consecutive steps starting at a uniform draw from [lo, hi − window_size] with window_range = (lo, hi).
+    """
+    if window_size == 0:
+        return list(range(num_steps - 1))
+    lo, hi = window_range
+    start = lo + int(torch.randint(0, hi - window_size - lo + 1, (1,), generator=rng))
+    return list(range(start, start + window_size))

@@ -1,0 +1,259 @@
+"""The training loop, top to bottom: sample prompts → generate (reward futures per micro-batch) → gather rewards →
+advantages → update → sync weights → log / checkpoint / validate.
+
+`prepare` checks everything a user can get wrong *before* anything is written; `Trainer.fit` is the loop.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gerl.algo.advantages import PerPromptTracker, compute_advantages
+from gerl.checkpoint import find_resume_checkpoint, load_checkpoint, save_checkpoint
+from gerl.config import Config, derived_sizes, to_dict, to_yaml, trained_steps_per_sample
+from gerl.data.prompts import Prompt, PromptSampler, load_prompts
+from gerl.errors import UserError
+from gerl.logging.images import image_grid
+from gerl.logging.metrics import MetricsLogger
+from gerl.models.loader import TextEmbedder, add_lora, load_pipeline, lora_file
+from gerl.workers.actor import ActorWorker
+from gerl.workers.batch import RolloutBatch
+from gerl.workers.reward import RewardExecutor
+from gerl.workers.rollout import RolloutWorker
+from rewards.registry import build_reward, validate_reward_inputs
+
+
+@dataclass
+class Prepared:
+    train_prompts: list[Prompt]
+    test_prompts: list[Prompt]
+    reward_fn: object
+    resume_from: Path | None
+    pipe: object
+
+
+def _check_output_dir(cfg: Config) -> None:
+    out = Path(cfg.output_dir)
+    probe = out
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK):
+        raise UserError(f"output_dir {out} is not writable ({probe} is not a writable directory); choose another output_dir")
+    if out.is_dir() and (out / "metrics.jsonl").exists() and cfg.resume == "false" and not cfg.overwrite:
+        raise UserError(f"output_dir {out} already holds a run; pass resume=true to continue it, overwrite=true to "
+                        "start over, or choose another output_dir")
+
+
+def prepare(cfg: Config) -> Prepared:
+    """Validate every input and load the model. Raises UserError; writes nothing."""
+    train = load_prompts(cfg.data.train_prompts)
+    test = load_prompts(cfg.data.test_prompts)[: cfg.validation.num_prompts] if cfg.validation.every >= 0 else []
+    if cfg.data.prompts_per_step > len(train):
+        raise UserError(f"data.prompts_per_step={cfg.data.prompts_per_step} exceeds the {len(train)} prompts in "
+                        f"{cfg.data.train_prompts}; lower it or add prompts")
+    reward_fn = build_reward(cfg.reward.name, cfg.reward.kwargs)
+    everything = train + test
+    validate_reward_inputs(reward_fn, [p.text for p in everything], [p.metadata for p in everything])
+    if cfg.model.init_lora:
+        lora_file(cfg.model.init_lora)
+    _check_output_dir(cfg)
+    resume_from = find_resume_checkpoint(Path(cfg.output_dir), cfg.resume)
+    pipe = load_pipeline(cfg.model.path, cfg.model.dtype, cfg.model.device, cfg.model.tiny_seed)
+    return Prepared(train, test, reward_fn, resume_from, pipe)
+
+
+class Trainer:
+    def __init__(self, cfg: Config, prep: Prepared):
+        self.cfg = cfg
+        self.run_dir = Path(cfg.output_dir)
+        self.train_prompts, self.test_prompts = prep.train_prompts, prep.test_prompts
+        pipe = prep.pipe
+        if cfg.model.lora:
+            if cfg.model.init_lora:
+                pipe.load_lora_weights(str(lora_file(cfg.model.init_lora).parent), weight_name=lora_file(cfg.model.init_lora).name,
+                                       adapter_name="default")
+                for name, p in pipe.transformer.named_parameters():
+                    if "lora_" in name:  # loaded adapters come frozen; they are what we train
+                        p.data = p.data.float()
+                        p.requires_grad_(True)
+            else:
+                add_lora(pipe.transformer, cfg.model.lora_rank, cfg.model.lora_alpha, cfg.model.lora_targets)
+        self.pipe = pipe
+        self.embedder = TextEmbedder(pipe, cfg.model.max_sequence_length, cfg.model.text_cache_size)
+        self.sizes = derived_sizes(cfg, trained_steps_per_sample(cfg))
+        self.rollout = RolloutWorker(pipe, self.embedder, cfg.sampling, cfg.model.resolution, cfg.seed)
+        # Local (hybrid) placement: actor and rollout share one transformer, so "weight sync" is a no-op.
+        self.actor = ActorWorker(pipe.transformer, cfg.train, cfg.model, cfg.sampling, cfg.max_steps,
+                                 self.sizes["images_per_step"], cfg.seed)
+        self.rewards = RewardExecutor(prep.reward_fn, cfg.reward.pool, cfg.reward.workers)
+        self.sampler = PromptSampler(self.train_prompts, cfg.data.prompts_per_step, cfg.seed)
+        self.tracker = PerPromptTracker(cfg.train.tracker_buffer) if cfg.train.per_prompt_tracker else None
+        self.start_step = 0
+        self.counters = {"nonfinite_reward_steps_skipped": 0, "nonfinite_updates_skipped": 0}
+        if prep.resume_from is not None:
+            state = load_checkpoint(prep.resume_from, self.actor)
+            self.start_step = state["step"]
+            self.sampler.load_state_dict(state["sampler"])
+            if self.tracker is not None and state.get("tracker"):
+                self.tracker.load_state_dict(state["tracker"])
+            self.counters.update(state.get("counters", {}))
+        self.rollout.policy_version = self.actor.version
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.run_dir / "config.yaml.tmp"
+        tmp.write_text(to_yaml(cfg))
+        tmp.replace(self.run_dir / "config.yaml")
+        (self.run_dir / "samples").mkdir(exist_ok=True)
+        self.logger = MetricsLogger(self.run_dir, cfg.log.tensorboard, cfg.log.wandb, cfg.log.wandb_project,
+                                    to_dict(cfg), self.start_step if prep.resume_from is not None else None)
+
+    # ------------------------------------------------------------------ stages
+    def next_prompts(self) -> tuple[list[str], list[dict], torch.Tensor]:
+        n = self.cfg.data.group_size
+        chosen = self.sampler.next_prompts()
+        prompts = [p.text for p in chosen for _ in range(n)]
+        metadata = [dict(p.metadata) for p in chosen for _ in range(n)]
+        group_ids = torch.arange(len(chosen)).repeat_interleave(n)
+        return prompts, metadata, group_ids
+
+    def score(self, batch: RolloutBatch) -> None:
+        """Fill batch.rewards: gather the futures (with_reward) or compute now (off)."""
+        if batch.reward_futures:
+            scores, extras, wait, compute = self.rewards.gather([f for _, f in batch.reward_futures])
+        else:
+            t0 = time.perf_counter()
+            scores, extras, compute = [], {}, 0.0
+            mb = self.cfg.sampling.micro_batch_size
+            for s in range(0, len(batch), mb):
+                sc, ex, c = self.rewards.call(batch.images[s:s + mb], batch.prompts[s:s + mb], batch.metadata[s:s + mb])
+                scores += sc
+                compute += c
+                for k, v in ex.items():
+                    extras.setdefault(k, []).extend(v)
+            wait = time.perf_counter() - t0
+        batch.rewards = torch.tensor([math.nan if s is None else float(s) for s in scores], dtype=torch.float32)
+        batch.reward_extras = extras
+        batch.timings.update(reward_wait_s=wait, reward_compute_s=compute)
+
+    def advantages(self, batch: RolloutBatch) -> torch.Tensor:
+        cfg = self.cfg.train
+        if self.tracker is not None:
+            adv = self.tracker.advantages(batch.prompts, batch.rewards).clamp(-cfg.adv_clip_max, cfg.adv_clip_max)
+        else:
+            adv = compute_advantages(cfg.advantage, batch.rewards, batch.group_ids, cfg.adv_clip_max)
+        return -adv if cfg.flip_advantage else adv
+
+    def sync_weights(self) -> float:
+        self.rollout.policy_version = self.actor.version
+        return 0.0
+
+    @torch.no_grad()
+    def validate(self, step: int) -> dict[str, float]:
+        t0 = time.perf_counter()
+        cfg = self.cfg
+        prompts = [p.text for p in self.test_prompts]
+        metadata = [dict(p.metadata) for p in self.test_prompts]
+
+        def run():
+            return self.rollout.sample_images(prompts, cfg.validation.seed, cfg.sampling.eval_num_steps,
+                                              cfg.sampling.eval_guidance_scale)
+
+        if self.actor.ema is not None:
+            with self.actor.ema.swapped():
+                images = run()
+        else:
+            images = run()
+        scores, _, _ = self.rewards.call(images, prompts, metadata)
+        valid = [s for s in scores if s is not None and math.isfinite(s)]
+        grid = image_grid(images)
+        grid.save(self.run_dir / "samples" / f"val_step_{step:06d}.png")
+        self.logger.log_image("validation/images", grid, step)
+        return {"val_reward_mean": sum(valid) / max(len(valid), 1), "val_num_prompts": len(prompts),
+                "validate_s": time.perf_counter() - t0}
+
+    def checkpoint(self, step: int) -> None:
+        extra = {"sampler": self.sampler.state_dict(), "tracker": self.tracker.state_dict() if self.tracker else None,
+                 "counters": self.counters}
+        save_checkpoint(self.run_dir, step, self.actor, extra, self.cfg.checkpoint.keep_last)
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> Path:
+        cfg = self.cfg
+        print("gerl: " + ", ".join(f"{k}={v}" for k, v in self.sizes.items()), file=sys.stderr)
+        progress = None
+        if cfg.log.progress_bar:
+            from tqdm import tqdm
+
+            progress = tqdm(total=cfg.max_steps, initial=self.start_step, desc="train", file=sys.stderr, dynamic_ncols=True)
+        val_every = cfg.validation.every
+        if val_every > 0 and self.start_step == 0:
+            self.logger.log(0, self.validate(0))
+        try:
+            for step in range(self.start_step + 1, cfg.max_steps + 1):
+                t0 = time.perf_counter()
+                prompts, metadata, group_ids = self.next_prompts()
+                batch = self.rollout.generate(prompts, metadata, group_ids, step,
+                                              submit=self.rewards.submit if cfg.reward.with_reward else None)
+                self.score(batch)
+                metrics = self._train_on(batch, step)
+                metrics["sync_s"] = self.sync_weights()
+                metrics["step_s"] = time.perf_counter() - t0
+                metrics["images_per_s"] = len(batch) / metrics["step_s"]
+                if val_every > 0 and step % val_every == 0 or val_every == 0 and step == cfg.max_steps:
+                    metrics.update(self.validate(step))
+                if cfg.log.images_every and step % cfg.log.images_every == 0:
+                    grid = image_grid(batch.images[: 4 * cfg.data.group_size], cols=cfg.data.group_size)
+                    grid.save(self.run_dir / "samples" / f"train_step_{step:06d}.png")
+                    self.logger.log_image("train/images", grid, step)
+                self.logger.log(step, metrics)
+                if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 or step == cfg.max_steps:
+                    self.checkpoint(step)
+                if progress is not None:
+                    progress.update(1)
+                    progress.set_postfix(reward=f"{metrics['reward_mean']:.4g}", s=f"{metrics['step_s']:.2f}")
+        finally:
+            if progress is not None:
+                progress.close()
+            self.rewards.close()
+            self.logger.close()
+        return self.run_dir
+
+    def _train_on(self, batch: RolloutBatch, step: int) -> dict:
+        r = batch.rewards
+        finite = torch.isfinite(r)
+        m = {
+            "reward_mean": float(r[finite].mean()) if finite.any() else math.nan,
+            "reward_std": float(r[finite].std(unbiased=False)) if finite.any() else math.nan,
+            "policy_version": batch.policy_version,
+            "images": len(batch),
+            **batch.timings,
+        }
+        for k, v in batch.reward_extras.items():
+            vals = [float(x) for x in v if isinstance(x, (int, float)) and math.isfinite(x)]
+            if vals:
+                m[f"reward/{k}"] = sum(vals) / len(vals)
+        t0 = time.perf_counter()
+        if not finite.all():
+            # A missing or non-finite reward makes the whole group's baseline meaningless: skip this update.
+            self.counters["nonfinite_reward_steps_skipped"] += 1
+        else:
+            adv = self.advantages(batch)
+            stats = self.actor.update(batch, adv, step)
+            self.counters["nonfinite_updates_skipped"] += stats.pop("nonfinite_updates_skipped")
+            m.update(stats)
+            m["advantage_abs_mean"] = float(adv.abs().mean())
+        m["train_s"] = time.perf_counter() - t0
+        m.update(self.counters)
+        m["learning_rate"] = self.actor.optimizer.param_groups[0]["lr"]
+        m["text_cache_hits"] = self.embedder.hits
+        return m
+
+
+def train(cfg: Config) -> Path:
+    return Trainer(cfg, prepare(cfg)).fit()

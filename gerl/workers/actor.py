@@ -1,0 +1,205 @@
+"""ActorWorker: the policy update. One role: given a rewarded trajectory batch, take the GRPO optimizer steps."""
+
+from __future__ import annotations
+
+import copy
+import math
+from contextlib import contextmanager
+
+import torch
+
+from gerl.algo.loss import grpo_loss
+from gerl.config import ModelConfig, SamplingConfig, TrainConfig
+from gerl.sampling.loop import Embeds, replay_log_prob
+from gerl.workers.batch import RolloutBatch
+
+
+class EMA:
+    """Exponential moving average of the trained parameters, swapped in for validation."""
+
+    def __init__(self, params: list[torch.nn.Parameter], decay: float):
+        self.params, self.decay = params, decay
+        self.shadow = [p.detach().clone() for p in params]
+
+    @torch.no_grad()
+    def update(self) -> None:
+        for s, p in zip(self.shadow, self.params):
+            s.lerp_(p.detach(), 1 - self.decay)
+
+    @contextmanager
+    def swapped(self):
+        backup = [p.detach().clone() for p in self.params]
+        with torch.no_grad():
+            for p, s in zip(self.params, self.shadow):
+                p.copy_(s)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, b in zip(self.params, backup):
+                    p.copy_(b)
+
+
+def lr_lambda(schedule: str, warmup: int, total: int):
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        frac = (step - warmup) / max(1, total - warmup)
+        if schedule == "linear":
+            return max(0.0, 1 - frac)
+        if schedule == "cosine":
+            return 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
+        return 1.0
+    return f
+
+
+class ActorWorker:
+    def __init__(self, transformer, train: TrainConfig, model: ModelConfig, sampling: SamplingConfig,
+                 max_steps: int, images_per_step: int, seed: int):
+        self.transformer, self.cfg, self.sampling, self.seed = transformer, train, sampling, seed
+        self.lora = model.lora
+        if not model.lora:
+            transformer.requires_grad_(True)
+        self.named_params = [(n, p) for n, p in transformer.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in self.named_params]
+        self.optimizer = torch.optim.AdamW(self.params, lr=train.learning_rate, betas=tuple(train.adam_betas),
+                                           weight_decay=train.weight_decay, eps=train.adam_eps)
+        self.mini = train.mini_batch_size or images_per_step
+        total = max_steps * train.inner_epochs * (images_per_step // self.mini)
+        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(train.lr_schedule, train.warmup_steps, total))
+        self.ema = EMA(self.params, train.ema_decay) if train.ema_decay > 0 else None
+        # Reference policy for the KL term: the adapter switched off (LoRA) or a frozen copy (full fine-tuning).
+        self.ref = None
+        if train.beta > 0 and not model.lora:
+            self.ref = copy.deepcopy(transformer).requires_grad_(False).eval()
+        self.version = 0  # optimizer steps taken so far: the policy version handed to rollouts
+
+    @contextmanager
+    def _reference(self):
+        if self.ref is not None:
+            yield self.ref
+            return
+        self.transformer.disable_adapters()
+        try:
+            yield self.transformer
+        finally:
+            self.transformer.enable_adapters()
+
+    def _replay(self, transformer, batch: RolloutBatch, idx: torch.Tensor, k: torch.Tensor):
+        t = batch.traj
+        device = next(transformer.parameters()).device
+        return replay_log_prob(
+            transformer, t.latents[idx, k].to(device), t.next_latents[idx, k].to(device), t.step_indices[k],
+            batch.embeds.index(idx), batch.schedule, self.sampling.sampler, self.sampling.noise_level,
+            self.sampling.guidance_scale,
+        )
+
+    def train_steps_plan(self, batch: RolloutBatch, step: int) -> torch.Tensor:
+        """(B, T) indices into the K recorded steps: which of its steps each sample trains (Flow-GRPO's random
+        timestep_fraction subset; all of them, in order, when the fraction is 1)."""
+        B, K = batch.traj.log_probs.shape
+        if self.sampling.timestep_fraction >= 1.0:
+            return torch.arange(K).expand(B, K)
+        T = max(1, int(K * self.sampling.timestep_fraction + 0.5))
+        g = torch.Generator().manual_seed(self.seed * 7919 + step)
+        return torch.stack([torch.randperm(K, generator=g)[:T] for _ in range(B)])
+
+    @torch.no_grad()
+    def recompute_log_probs(self, batch: RolloutBatch, plan: torch.Tensor) -> torch.Tensor:
+        """Old log-probs at the current weights, (B, K) with only the planned entries filled (others = rollout's)."""
+        out = batch.traj.log_probs.clone()
+        mb = self.cfg.micro_batch_size
+        self.transformer.eval()
+        for j in range(plan.shape[1]):
+            for s in range(0, len(batch), mb):
+                idx = torch.arange(s, min(s + mb, len(batch)))
+                k = plan[idx, j]
+                out[idx, k] = self._replay(self.transformer, batch, idx, k).log_prob.cpu()
+        return out
+
+    def update(self, batch: RolloutBatch, advantages: torch.Tensor, step: int) -> dict[str, float]:
+        """Inner epochs of clipped-ratio updates on `batch`. Returns step metrics (means over micro-batches)."""
+        cfg = self.cfg
+        plan = self.train_steps_plan(batch, step)
+        B, T = plan.shape
+        old = batch.traj.log_probs
+        metrics: dict[str, float] = {}
+        if cfg.recompute_old_log_probs:
+            recomputed = self.recompute_log_probs(batch, plan)
+            metrics["old_log_prob_recompute_max_dev"] = float((recomputed - old).abs().max()) if old.numel() else 0.0
+            old = recomputed
+        sums: dict[str, float] = {}
+        count = 0
+        max_dev = 0.0
+        stepped = False  # has any optimizer step been taken in this update? (for the pre-update ratio check)
+        skipped = 0
+        grad_norms = []
+        self.transformer.train()
+        for epoch in range(cfg.inner_epochs):
+            perm = torch.randperm(B, generator=torch.Generator().manual_seed(self.seed * 104_729 + step * 31 + epoch))
+            for m0 in range(0, B, self.mini):
+                mini = perm[m0:m0 + self.mini]
+                self.optimizer.zero_grad(set_to_none=True)
+                n_micro = math.ceil(len(mini) / cfg.micro_batch_size)
+                finite = True
+                for j in range(T):
+                    for u0 in range(0, len(mini), cfg.micro_batch_size):
+                        idx = mini[u0:u0 + cfg.micro_batch_size]
+                        k = plan[idx, j]
+                        out = self._replay(self.transformer, batch, idx, k)
+                        ref_mean = None
+                        if cfg.beta > 0:
+                            with torch.no_grad(), self._reference() as ref:
+                                ref_mean = self._replay(ref, batch, idx, k).mean
+                        device = out.log_prob.device
+                        loss, stats = grpo_loss(out.log_prob, old[idx, k].to(device), advantages[idx].to(device),
+                                                cfg.clip_range, cfg.beta, out.mean, ref_mean, out.std)
+                        if not torch.isfinite(loss):
+                            finite = False
+                            continue
+                        (loss / (n_micro * T)).backward()
+                        if not stepped:
+                            ratio = torch.exp(out.log_prob.detach() - old[idx, k].to(device))
+                            max_dev = max(max_dev, float((ratio - 1).abs().max()))
+                        for key, v in stats.items():
+                            sums[key] = sums.get(key, 0.0) + float(v)
+                        count += 1
+                if cfg.max_grad_norm > 0:
+                    gn = torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm)
+                else:
+                    gn = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in self.params if p.grad is not None]))
+                if not finite or not torch.isfinite(gn):
+                    # A non-finite loss or gradient: drop this optimizer step rather than poison the weights.
+                    self.optimizer.zero_grad(set_to_none=True)
+                    skipped += 1
+                    continue
+                grad_norms.append(float(gn))
+                self.optimizer.step()
+                self.lr_scheduler.step()
+                if self.ema is not None:
+                    self.ema.update()
+                self.version += 1
+                stepped = True
+        metrics.update({k: v / max(count, 1) for k, v in sums.items()})
+        metrics.update({
+            "ratio_max_dev_before_update": max_dev,
+            "grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
+            "nonfinite_updates_skipped": skipped,
+            "learning_rate": self.optimizer.param_groups[0]["lr"],
+            "trained_steps_per_sample": T,
+        })
+        return metrics
+
+    # ------------------------------------------------------------------ checkpoint state
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().float().cpu().contiguous() for n, p in self.named_params}
+
+    def load_trainable_state(self, state: dict[str, torch.Tensor]) -> None:
+        names = {n for n, _ in self.named_params}
+        if set(state) != names:
+            raise ValueError(f"checkpoint parameters do not match this model ({len(state)} vs {len(names)} tensors); "
+                             "resume with the same model and LoRA settings")
+        with torch.no_grad():
+            for n, p in self.named_params:
+                p.copy_(state[n].to(p.dtype))

@@ -1,0 +1,102 @@
+"""RolloutWorker: turns prompts into a trajectory batch — denoise micro-batch by micro-batch, decode, submit rewards."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+from PIL import Image
+
+from gerl.config import SamplingConfig
+from gerl.sampling.loop import Embeds, Schedule, Trajectory, denoise, make_schedule, sde_window
+from gerl.workers.batch import RolloutBatch
+
+
+def sample_seed(seed: int, step: int, index: int) -> int:
+    """A distinct, reproducible noise seed for sample `index` of step `step` (independent of batch splitting)."""
+    return (seed * 1_000_003 + step * 65_537 + index) % (2**63 - 1)
+
+
+def latent_noise(seeds: list[int], shape: tuple[int, ...]) -> tuple[torch.Tensor, list[torch.Generator]]:
+    """Initial noise (B, *shape) drawn per sample on the CPU, and each sample's generator, positioned after it,
+    for that sample's SDE noise. Matches diffusers' randn_tensor with a list of generators."""
+    gens = [torch.Generator("cpu").manual_seed(s) for s in seeds]
+    noise = torch.stack([torch.randn(shape, generator=g, dtype=torch.float32) for g in gens])
+    return noise, gens
+
+
+@torch.no_grad()
+def decode(vae, latents: torch.Tensor) -> list[Image.Image]:
+    """SD3 latents (B, 16, h, w) → PIL images."""
+    z = latents / vae.config.scaling_factor + vae.config.shift_factor
+    x = vae.decode(z.to(vae.dtype), return_dict=False)[0]
+    x = ((x.float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+    return [Image.fromarray(np.ascontiguousarray(a)) for a in x]
+
+
+class RolloutWorker:
+    """Generates trajectory batches with the current weights of `pipe.transformer`. One role: generation."""
+
+    def __init__(self, pipe, embedder, sampling: SamplingConfig, resolution: int, seed: int):
+        self.pipe, self.embedder, self.cfg = pipe, embedder, sampling
+        self.seed = seed
+        self.vae_factor = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
+        self.latent_shape = (pipe.transformer.config.in_channels, resolution // self.vae_factor, resolution // self.vae_factor)
+        self.train_schedule = make_schedule(pipe.scheduler.config, sampling.num_steps)
+        self.policy_version = 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.pipe.transformer.device
+
+    def generate(self, prompts: list[str], metadata: list[dict], group_ids: torch.Tensor, step: int,
+                 submit=None) -> RolloutBatch:
+        """Sample one step's batch. `submit(images, prompts, metadata) -> Future` is called per decoded micro-batch
+        (reward futures); when None, rewards are left to the caller."""
+        cfg, sched = self.cfg, self.train_schedule
+        window_rng = torch.Generator().manual_seed(sample_seed(self.seed, step, -1))
+        sde_steps = sde_window(sched.num_steps, cfg.sde_window_size, tuple(cfg.sde_window_range), window_rng)
+        guided = cfg.guidance_scale > 1.0
+        trajs, images, futures, embeds_all = [], [], [], []
+        t_gen = t_dec = 0.0
+        self.pipe.transformer.eval()
+        for start in range(0, len(prompts), cfg.micro_batch_size):
+            sl = slice(start, start + cfg.micro_batch_size)
+            t0 = time.perf_counter()
+            embeds = self.embedder(prompts[sl], with_negative=guided)
+            seeds = [sample_seed(self.seed, step, i) for i in range(sl.start, min(sl.stop, len(prompts)))]
+            noise, gens = latent_noise(seeds, self.latent_shape)
+            traj = denoise(self.pipe.transformer, embeds, noise.to(self.device), sched, sde_steps, cfg.sampler,
+                           cfg.noise_level, cfg.guidance_scale, gens)
+            t1 = time.perf_counter()
+            mb_images = decode(self.pipe.vae, traj.final_latents)
+            t_dec += time.perf_counter() - t1
+            t_gen += t1 - t0
+            if submit is not None:
+                futures.append((sl, submit(mb_images, prompts[sl], metadata[sl])))
+            trajs.append(traj)
+            images.extend(mb_images)
+            embeds_all.append(embeds)
+        return RolloutBatch(
+            prompts=list(prompts), metadata=list(metadata), group_ids=group_ids, embeds=Embeds.cat(embeds_all),
+            schedule=sched, traj=Trajectory.cat(trajs), images=images, policy_version=self.policy_version,
+            reward_futures=futures, timings={"generate_s": t_gen, "decode_s": t_dec},
+        )
+
+    @torch.no_grad()
+    def sample_images(self, prompts: list[str], seed: int, num_steps: int, guidance: float,
+                      micro_batch_size: int | None = None) -> list[Image.Image]:
+        """ODE sampling for validation / `gerl sample` / `gerl eval`: image i uses noise seed (seed, i)."""
+        sched: Schedule = make_schedule(self.pipe.scheduler.config, num_steps)
+        mb = micro_batch_size or self.cfg.micro_batch_size
+        out = []
+        self.pipe.transformer.eval()
+        for start in range(0, len(prompts), mb):
+            chunk = prompts[start:start + mb]
+            noise, _ = latent_noise([sample_seed(seed, 0, start + i) for i in range(len(chunk))], self.latent_shape)
+            embeds = self.embedder(chunk, with_negative=guidance > 1.0)
+            traj = denoise(self.pipe.transformer, embeds, noise.to(self.device), sched, [], self.cfg.sampler,
+                           self.cfg.noise_level, guidance, None)
+            out.extend(decode(self.pipe.vae, traj.final_latents))
+        return out

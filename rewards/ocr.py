@@ -1,0 +1,232 @@
+"""Flow-GRPO's OCR reward: how closely the text an OCR model reads in the image matches the prompt's quoted text.
+
+The prompt `A neon sign that says "OPEN LATE"` has target text `OPEN LATE`. Both the recognised text and the
+target are lower-cased with all whitespace removed; the score is 1.0 if the target occurs in the recognised
+text, else `1 - min(levenshtein(recognised, target), len(target)) / len(target)`, which lies in [0, 1].
+
+Backends:
+- `rapidocr` (default): PP-OCR ONNX models shipped inside the `rapidocr` wheel; CPU, offline.
+- `paddleocr`: PaddleOCR 3.x (GPU-capable), an optional extra: `pip install gerl[paddleocr]`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+
+import numpy as np
+
+from gerl.errors import UserError
+from rewards.registry import register
+
+BACKENDS = ("rapidocr", "paddleocr")
+_OPEN_QUOTES = '"\u201c'  # " and “
+_CLOSE_QUOTES = '"\u201d'  # " and ”
+
+
+def extract_target(prompt: str) -> str | None:
+    """The text between the first pair of double quotes (straight `"..."` or curly `“...”`), stripped.
+
+    Returns None when there is no opening quote, the quote is never closed, or the quotes hold only whitespace.
+    """
+    start = next((i for i, ch in enumerate(prompt) if ch in _OPEN_QUOTES), None)
+    if start is None:
+        return None
+    end = next((i for i in range(start + 1, len(prompt)) if prompt[i] in _CLOSE_QUOTES), None)
+    if end is None:
+        return None
+    target = prompt[start + 1 : end].strip()
+    return target or None
+
+
+def normalize_text(text: str) -> str:
+    """Lower-case and drop every whitespace character (Flow-GRPO compares text this way)."""
+    return "".join(text.split()).lower()
+
+
+def levenshtein(a: str, b: str) -> int:
+    """Edit distance (insertions, deletions, substitutions all cost 1); O(len(a) * len(b)) time, O(len(b)) memory."""
+    if a == b:
+        return 0
+    if len(a) < len(b):
+        a, b = b, a  # keep the row (indexed by b) the short one
+    if not b:
+        return len(a)
+    previous = list(range(len(b) + 1))
+    for i, ca in enumerate(a, start=1):
+        current = [i]
+        for j, cb in enumerate(b, start=1):
+            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (ca != cb)))
+        previous = current
+    return previous[-1]
+
+
+def ocr_score(recognized: str, target: str) -> float:
+    """Flow-GRPO's OCR score in [0, 1] of `recognized` text against `target` text (see the module docstring).
+
+    Raises:
+        ValueError: the target is empty after normalisation (nothing to score against).
+    """
+    recognized, target = normalize_text(recognized), normalize_text(target)
+    if not target:
+        raise ValueError("ocr_score needs a non-empty target text")
+    if target in recognized:
+        return 1.0
+    return 1.0 - min(levenshtein(recognized, target), len(target)) / len(target)
+
+
+def target_for(prompt: str, metadata: dict | None) -> str | None:
+    """The target text of one sample: `metadata["target_text"]` when given, else the prompt's quoted text."""
+    override = (metadata or {}).get("target_text")
+    if override is not None:
+        return str(override).strip() or None
+    return extract_target(prompt)
+
+
+class OcrReward:
+    """Callable OCR reward; holds only its settings until the first call loads the OCR model in that process.
+
+    Args:
+        backend: "rapidocr" (ONNX, CPU, offline) or "paddleocr" (PaddleOCR 3.x, optional extra).
+        rec_only: skip text detection and recognise the whole image as one text line. ~10x faster than detection
+            on large images, but only right for images that are mostly a single line of text.
+        det_limit_side_len: the detector scales images *down* so the longer side is at most this many pixels and
+            never scales them up (limit type "max", PaddleOCR 2.x's default, which Flow-GRPO used). rapidocr's
+            own default instead scales the *shorter* side up to 736 px, making a 64 px image cost as much as a
+            736 px one.
+        num_threads: threads per OCR call (onnxruntime intra-op threads, or PaddleOCR cpu_threads); 1 lets
+            several reward worker processes share the CPU; 0 lets the runtime use every core.
+        min_confidence: drop recognised text lines scored below this (0.0 keeps all, as Flow-GRPO does).
+        paddle_kwargs: extra keyword arguments for `paddleocr.PaddleOCR` (e.g. {"device": "gpu:0", "lang": "en"}).
+    """
+
+    name = "ocr"
+
+    def __init__(
+        self,
+        backend: str = "rapidocr",
+        rec_only: bool = False,
+        det_limit_side_len: int = 960,
+        num_threads: int = 1,
+        min_confidence: float = 0.0,
+        paddle_kwargs: dict | None = None,
+    ):
+        if backend not in BACKENDS:
+            raise UserError(f"unknown OCR backend {backend!r}; set reward.kwargs.backend to one of {list(BACKENDS)}")
+        if backend == "paddleocr" and importlib.util.find_spec("paddleocr") is None:
+            raise UserError("OCR backend 'paddleocr' needs PaddleOCR 3.x: pip install 'gerl[paddleocr]' (or use backend rapidocr)")
+        if not isinstance(det_limit_side_len, int) or det_limit_side_len < 32:
+            raise UserError(f"OCR det_limit_side_len must be an int >= 32 pixels, got {det_limit_side_len!r}")
+        if not isinstance(num_threads, int) or num_threads < 0:
+            raise UserError(f"OCR num_threads must be an int >= 0 (0 = all cores), got {num_threads!r}")
+        if paddle_kwargs and backend != "paddleocr":
+            raise UserError("OCR paddle_kwargs only apply to backend 'paddleocr'; remove them or set backend: paddleocr")
+        self.backend = backend
+        self.rec_only = bool(rec_only)
+        self.det_limit_side_len = det_limit_side_len
+        self.num_threads = num_threads
+        self.min_confidence = float(min_confidence)
+        self.paddle_kwargs = dict(paddle_kwargs or {})
+        self._engine = None
+        self._lock = threading.Lock()  # reward threads may share one instance; load the model once
+
+    # The engine (ONNX sessions) and the lock cannot be pickled; a copy sent to a worker process reloads lazily.
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k not in ("_engine", "_lock")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _engine=None, _lock=threading.Lock())
+
+    def __call__(self, images, prompts, metadata) -> tuple[list[float | None], dict[str, list]]:
+        """Score each image against its prompt's target text; None where a sample has no target text.
+
+        Returns:
+            (scores, {"ocr_text": the text recognised in each image})
+        """
+        scores, texts = [], []
+        for image, prompt, meta in zip(images, prompts, metadata):
+            target = target_for(prompt, meta)
+            text = self.read(image) if target is not None else ""
+            scores.append(ocr_score(text, target) if target is not None else None)
+            texts.append(text)
+        return scores, {"ocr_text": texts}
+
+    def read(self, image) -> str:
+        """All text lines recognised in a PIL image, joined by spaces."""
+        # Both backends take a numpy array to be BGR (OpenCV's order). (H, W, 3) uint8
+        bgr = np.ascontiguousarray(np.asarray(image.convert("RGB"))[:, :, ::-1])
+        engine = self._load()
+        if self.backend == "rapidocr":
+            lines = list(engine(bgr).txts or ())  # txts is None when nothing was found
+        elif self.rec_only:
+            lines = [r["rec_text"] for r in engine.predict(bgr) if r["rec_score"] >= self.min_confidence]
+        else:
+            lines = [t for r in engine.predict(bgr) for t in r["rec_texts"]]
+        return " ".join(line for line in lines if line.strip())
+
+    def validate(self, prompts: list[str], metadata: list[dict]) -> None:
+        """Raise UserError naming the prompts that have no target text (so they could never be scored)."""
+        metadata = metadata or [{}] * len(prompts)
+        bad = [i for i, (p, m) in enumerate(zip(prompts, metadata)) if target_for(p, m) is None]
+        if bad:
+            first = bad[0]
+            raise UserError(
+                f"OCR reward: {len(bad)} of {len(prompts)} prompts have no target text, first is prompt #{first + 1} "
+                f"{prompts[first][:80]!r}; put the text to render in \"double quotes\" in each prompt or give a "
+                f"non-empty target_text field (.jsonl)"
+            )
+
+    def _load(self):
+        if self._engine is None:
+            with self._lock:
+                if self._engine is None:
+                    self._engine = self._build_rapidocr() if self.backend == "rapidocr" else self._build_paddleocr()
+        return self._engine
+
+    def _build_rapidocr(self):
+        from rapidocr import RapidOCR  # imported here: ~1 s, and only the processes that score need it
+
+        threads = self.num_threads or -1  # -1 = onnxruntime's default (all cores)
+        return RapidOCR(
+            params={
+                "Global.log_level": "error",
+                "Global.use_cls": False,  # generated text is upright; the 180-degree classifier only costs time
+                "Global.use_det": not self.rec_only,
+                "Global.text_score": self.min_confidence,
+                "Det.limit_side_len": self.det_limit_side_len,
+                "Det.limit_type": "max",
+                "EngineConfig.onnxruntime.intra_op_num_threads": threads,
+                "EngineConfig.onnxruntime.inter_op_num_threads": 1 if self.num_threads else -1,
+            }
+        )
+
+    def _build_paddleocr(self):
+        try:
+            import paddleocr
+        except ImportError as e:
+            raise UserError(f"OCR backend 'paddleocr' failed to import ({e}); pip install 'gerl[paddleocr]'")
+        common = {"cpu_threads": self.num_threads} if self.num_threads else {}
+        if self.rec_only:
+            return paddleocr.TextRecognition(**common, **self.paddle_kwargs)
+        return paddleocr.PaddleOCR(
+            use_doc_orientation_classify=False,
+            use_doc_unwarping=False,
+            use_textline_orientation=False,
+            text_det_limit_side_len=self.det_limit_side_len,
+            text_det_limit_type="max",
+            text_rec_score_thresh=self.min_confidence,
+            **{**common, **self.paddle_kwargs},
+        )
+
+
+@register("ocr")
+def ocr(
+    backend: str = "rapidocr",
+    rec_only: bool = False,
+    det_limit_side_len: int = 960,
+    num_threads: int = 1,
+    min_confidence: float = 0.0,
+    paddle_kwargs: dict | None = None,
+) -> OcrReward:
+    """Flow-GRPO's OCR reward (see `OcrReward` for the arguments)."""
+    return OcrReward(backend, rec_only, det_limit_side_len, num_threads, min_confidence, paddle_kwargs)

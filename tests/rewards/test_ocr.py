@@ -1,0 +1,150 @@
+"""The OCR reward: target extraction, the score formula, and real rapidocr reads of PIL-rendered text."""
+
+import pickle
+
+import pytest
+from PIL import Image, ImageDraw, ImageFont
+
+from gerl.errors import UserError
+from rewards import build_reward, call_reward, validate_reward_inputs
+from rewards.ocr import OcrReward, extract_target, levenshtein, ocr_score
+
+
+def render(text: str, size: int = 128, font_size: int = 20) -> Image.Image:
+    """Black text centred on a white square; load_default(size=...) needs no system font."""
+    image = Image.new("RGB", (size, size), "white")
+    draw = ImageDraw.Draw(image)
+    font = ImageFont.load_default(size=font_size)
+    left, top, right, bottom = draw.textbbox((0, 0), text, font=font)
+    draw.text(((size - (right - left)) / 2 - left, (size - (bottom - top)) / 2 - top), text, fill="black", font=font)
+    return image
+
+
+@pytest.fixture(scope="module")
+def reward():
+    return build_reward("ocr", {})
+
+
+# ---- target extraction -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "prompt, expected",
+    [
+        ('A sign that says "OPEN LATE"', "OPEN LATE"),
+        ('First "one" then "two"', "one"),
+        ("A sign with no quotes", None),
+        ('A sign with one " quote', None),
+        ('Empty quotes "" here', None),
+        ('Blank quotes "   " here', None),
+        ("Curly \u201cHello World\u201d quotes", "Hello World"),
+        ('Padded "  hi  " text', "hi"),
+    ],
+)
+def test_extract_target(prompt, expected):
+    assert extract_target(prompt) == expected
+
+
+# ---- score formula ----------------------------------------------------------------------------------------------
+
+def test_levenshtein():
+    assert levenshtein("kitten", "sitting") == 3
+    assert levenshtein("", "abc") == 3
+    assert levenshtein("abc", "abc") == 0
+    assert levenshtein("flaw", "lawn") == 2
+    assert levenshtein("ab", "ba") == 2  # plain Levenshtein: no transpositions
+
+
+def test_score_exact_containment_and_normalisation():
+    assert ocr_score("OPEN LATE", "open late") == 1.0
+    assert ocr_score("o p e n\tl a t e", "OPENLATE") == 1.0  # all whitespace removed
+    assert ocr_score("Welcome! open late tonight", "Open Late") == 1.0  # target contained in more text
+
+
+def test_score_partial_and_cap():
+    assert ocr_score("Hallo World", "Hello World") == pytest.approx(1 - 1 / 10)
+    assert ocr_score("", "hello") == 0.0
+    # A long wrong reading has distance > len(target); the cap keeps the score at 0, not negative.
+    assert ocr_score("zzzzzzzzzzzzzzzzzzzz", "abc") == 0.0
+
+
+def test_score_rejects_empty_target():
+    with pytest.raises(ValueError):
+        ocr_score("anything", "  ")
+
+
+# ---- real OCR ---------------------------------------------------------------------------------------------------
+
+def test_exact_text_scores_one_blank_scores_zero_typo_in_between(reward):
+    images = [render("Hello World"), Image.new("RGB", (128, 128), "white"), render("Hallo World")]
+    prompts = ['A sign that says "Hello World"'] * 3
+    scores, extras = call_reward(reward, images, prompts, [{}] * 3)
+    exact, blank, typo = scores
+    assert exact >= 0.95
+    assert blank <= 0.05
+    assert blank < typo < exact
+    assert len(extras["ocr_text"]) == 3 and extras["ocr_text"][1] == ""
+
+
+def test_small_64px_image(reward):
+    scores, _ = call_reward(reward, [render("OPEN", size=64, font_size=14)], ['"OPEN"'], [{}])
+    assert scores[0] >= 0.95
+
+
+def test_metadata_target_overrides_prompt(reward):
+    image = render("Hello World")
+    scores, _ = call_reward(reward, [image, image], ["no quotes here", 'says "Goodbye"'],
+                            [{"target_text": "hello world"}, {"target_text": "hello world"}])
+    assert scores[0] >= 0.95 and scores[1] >= 0.95
+
+
+def test_prompt_without_target_is_not_applicable(reward):
+    scores, _ = call_reward(reward, [render("Hello")], ["a photo of a dog"], [{}])
+    assert scores == [None]
+
+
+def test_rec_only_reads_a_text_line():
+    reward = build_reward("ocr", {"rec_only": True})
+    line = render("OPEN LATE", size=160, font_size=24).crop((0, 60, 160, 100))  # a 160x40 strip of text
+    blank = Image.new("RGB", (160, 40), "white")
+    scores, extras = call_reward(reward, [line, blank], ['"OPEN LATE"'] * 2, [{}, {}])
+    assert scores[0] >= 0.95, extras
+    assert scores[1] <= 0.05
+
+
+def test_validate_names_the_bad_prompt(reward):
+    prompts = ['fine "text"', "no target here", 'also "fine"']
+    with pytest.raises(UserError, match=r"1 of 3 prompts.*#2.*no target here.*double quotes"):
+        validate_reward_inputs(reward, prompts, [{}, {}, {}])
+    validate_reward_inputs(reward, prompts, [{}, {"target_text": "ok"}, {}])  # metadata fixes it
+    with pytest.raises(UserError):
+        validate_reward_inputs(reward, ['"x"'], [{"target_text": "  "}])  # an empty override is no target
+
+
+def test_pickles_without_the_loaded_model(reward):
+    reward(images=[render("A")], prompts=['"A"'], metadata=[{}])  # make sure the engine is loaded
+    clone = pickle.loads(pickle.dumps(reward))
+    assert clone._engine is None and clone.det_limit_side_len == reward.det_limit_side_len
+    assert clone([render("Hello World")], ['"Hello World"'], [{}])[0][0] >= 0.95
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"backend": "tesseract"}, "unknown OCR backend"),
+        ({"det_limit_side_len": 8}, "det_limit_side_len"),
+        ({"num_threads": -1}, "num_threads"),
+        ({"paddle_kwargs": {"lang": "en"}}, "paddle_kwargs only apply"),
+    ],
+)
+def test_bad_settings_are_user_errors(kwargs, match):
+    with pytest.raises(UserError, match=match):
+        OcrReward(**kwargs)
+
+
+def test_paddleocr_missing_is_a_clear_error(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "paddleocr" else real(name, *a))
+    with pytest.raises(UserError, match=r"pip install 'gerl\[paddleocr\]'"):
+        build_reward("ocr", {"backend": "paddleocr"})
