@@ -167,6 +167,11 @@ def _coerce(value: Any, tp: Any, key: str, errors: list[str]) -> Any:
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string; it is plainly a number
+            try:
+                return float(value)
+            except ValueError:
+                pass
         errors.append(f"{key}: expected a number, got {value!r}")
         return value
     if tp is int:

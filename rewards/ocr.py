@@ -114,13 +114,17 @@ class OcrReward:
         if backend not in BACKENDS:
             raise UserError(f"unknown OCR backend {backend!r}; set reward.kwargs.backend to one of {list(BACKENDS)}")
         if backend == "paddleocr" and importlib.util.find_spec("paddleocr") is None:
-            raise UserError("OCR backend 'paddleocr' needs PaddleOCR 3.x: pip install 'gerl[paddleocr]' (or use backend rapidocr)")
+            raise UserError(
+                "OCR backend 'paddleocr' needs PaddleOCR 3.x: pip install 'gerl[paddleocr]' (or use backend rapidocr)"
+            )
         if not isinstance(det_limit_side_len, int) or det_limit_side_len < 32:
             raise UserError(f"OCR det_limit_side_len must be an int >= 32 pixels, got {det_limit_side_len!r}")
         if not isinstance(num_threads, int) or num_threads < 0:
             raise UserError(f"OCR num_threads must be an int >= 0 (0 = all cores), got {num_threads!r}")
         if paddle_kwargs and backend != "paddleocr":
-            raise UserError("OCR paddle_kwargs only apply to backend 'paddleocr'; remove them or set backend: paddleocr")
+            raise UserError(
+                "OCR paddle_kwargs only apply to backend 'paddleocr'; remove them or set backend: paddleocr"
+            )
         self.backend = backend
         self.rec_only = bool(rec_only)
         self.det_limit_side_len = det_limit_side_len

@@ -166,6 +166,8 @@ def call_reward(
 
 def validate_reward_inputs(fn: RewardFn, prompts: Sequence[str], metadata: Sequence[dict]) -> None:
     """Call `fn.validate(prompts, metadata)` if the reward defines it (raises UserError for unscorable inputs)."""
+    if len(prompts) != len(metadata):
+        raise ValueError(f"validate_reward_inputs got {len(prompts)} prompts but {len(metadata)} metadata dicts")
     validate = getattr(fn, "validate", None)
     if callable(validate):
         validate(list(prompts), list(metadata))
@@ -197,7 +199,9 @@ def _import_attr(spec: str) -> Any:
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise UserError(f"cannot import module {module_name!r} for reward {spec!r} ({e}); check the name and PYTHONPATH")
+        raise UserError(
+            f"cannot import module {module_name!r} for reward {spec!r} ({e}); check the name and PYTHONPATH"
+        )
     obj = module
     for part in attr.split("."):
         if not hasattr(obj, part):

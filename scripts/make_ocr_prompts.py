@@ -143,8 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parents[1] / "assets" / "ocr")
     args = parser.parse_args(argv)
 
-    rng = random.Random(args.seed)
-    targets = make_targets(rng)
+    targets = make_targets(random.Random(args.seed))
     # De-duplicate by the reward's comparison key, then split: the first test-size targets are held out.
     unique = list({_key(t): t for t in targets}.values())
     test_targets, train_targets = unique[: args.test_size], unique[args.test_size :]
@@ -152,7 +151,8 @@ def main(argv: list[str] | None = None) -> None:
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for name, tgts, size in (("train", train_targets, args.train_size), ("test", test_targets, args.test_size)):
-        lines = make_prompts(tgts, size, rng)
+        # Each split has its own stream, so the test split does not change with --train-size.
+        lines = make_prompts(tgts, size, random.Random(f"{args.seed}:{name}"))
         (args.out_dir / f"{name}.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
         print(f"wrote {len(lines)} prompts ({min(len(tgts), size)} distinct targets) to {args.out_dir / f'{name}.txt'}")
 

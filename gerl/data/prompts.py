@@ -64,7 +64,8 @@ def _parse_jsonl_line(line: str, path: Path, number: int) -> Prompt:
     except json.JSONDecodeError as e:
         raise UserError(f"{path}:{number}: bad JSON ({e.msg} at column {e.colno}); each line must be one JSON object")
     if not isinstance(record, dict):
-        raise UserError(f"{path}:{number}: expected a JSON object like {{\"prompt\": \"...\"}}, got {type(record).__name__}")
+        kind = type(record).__name__
+        raise UserError(f'{path}:{number}: expected a JSON object like {{"prompt": "..."}}, got a {kind}')
     text = record.pop("prompt", None)
     if not isinstance(text, str) or not text.strip():
         raise UserError(f"{path}:{number}: missing or empty \"prompt\" string field; give every line a \"prompt\"")
@@ -90,6 +91,8 @@ class PromptSampler:
         num_prompts = len(prompts)
         if prompts_per_step < 1:
             raise UserError(f"prompts_per_step must be >= 1, got {prompts_per_step}")
+        if not isinstance(seed, int) or seed < 0:
+            raise UserError(f"the data seed must be an int >= 0, got {seed!r}")
         if prompts_per_step > num_prompts:
             raise UserError(
                 f"prompts_per_step={prompts_per_step} exceeds the dataset's {num_prompts} prompts; "

@@ -63,9 +63,9 @@ def add_lora(transformer, rank: int, alpha: float, targets: list[str]):
     """Attach a fresh LoRA (B = 0, so the policy starts equal to the base model) and keep its weights in fp32."""
     from peft import LoraConfig
 
-    present = {name.split(".")[-1] for name, _ in transformer.named_modules()} | {
-        ".".join(name.split(".")[-2:]) for name, _ in transformer.named_modules()}
-    missing = [t for t in targets if t not in present]
+    names = [name for name, _ in transformer.named_modules()]
+    # peft matches a target against the end of a module's dotted name; check the same way to fail early.
+    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
     if missing:
         raise UserError(f"model.lora_targets {missing} match no module of the transformer; "
                         "use names like to_q, to_k, to_v, to_out.0, add_q_proj")

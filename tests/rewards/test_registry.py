@@ -10,7 +10,15 @@ import pytest
 from PIL import Image
 
 from gerl.errors import UserError
-from rewards import build_reward, call_reward, is_reward_factory, register, registered_names, reward_factory
+from rewards import (
+    build_reward,
+    call_reward,
+    is_reward_factory,
+    register,
+    registered_names,
+    reward_factory,
+    validate_reward_inputs,
+)
 from rewards import registry
 
 IMAGES = [Image.new("RGB", (16, 16), c) for c in ("white", "black", "red")]
@@ -165,3 +173,17 @@ def test_rewards_survive_a_process_pool(context):
         remote = [pool.submit(call_reward, r, images, prompts, meta).result(timeout=120) for r in rewards]
     assert remote == local
     assert local[0][0][0] >= 0.95  # the OCR reward really read the text in the worker too
+
+
+@pytest.mark.parametrize("name", ["ocr", "jpeg_compressibility", "jpeg_incompressibility"])
+def test_builtin_reward_contract(name):
+    """Every built-in: one float per image, deterministic, picklable, and validate() accepts quoted prompts."""
+    import pickle
+
+    reward = build_reward(name, {})
+    prompts = ['"Hi"', '"there"', '"you"']
+    validate_reward_inputs(reward, prompts, META)
+    scores, extras = call_reward(reward, IMAGES, prompts, META)
+    assert len(scores) == 3 and all(isinstance(s, float) for s in scores)
+    assert all(len(v) == 3 for v in extras.values())
+    assert call_reward(pickle.loads(pickle.dumps(reward)), IMAGES, prompts, META) == (scores, extras)
