@@ -27,15 +27,18 @@ def _quiet_libraries() -> None:
 
 def cmd_train(args) -> int:
     from gerl.config import load_config
+
+    cfg = load_config(args.config, args.overrides)  # before the heavy imports: a bad config fails in milliseconds
+    _quiet_libraries()
     from gerl.trainer import train
 
-    cfg = load_config(args.config, args.overrides)
     run_dir = train(cfg)
     print(f"gerl: run written to {run_dir}  (metrics.jsonl, tensorboard/, samples/, checkpoints/)")
     return 0
 
 
 def _pipeline_for(args):
+    _quiet_libraries()
     from gerl.config import SamplingConfig
     from gerl.models.loader import TextEmbedder, load_lora_into_pipeline, load_pipeline, lora_file
     from gerl.workers.rollout import RolloutWorker
@@ -145,7 +148,6 @@ def main(argv: list[str] | None = None) -> int:
         argv.remove("--debug")
     args = build_parser().parse_args(argv)
     try:
-        _quiet_libraries()
         return args.fn(args)
     except UserError as e:
         if debug:

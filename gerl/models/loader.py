@@ -124,8 +124,9 @@ def read_lora_metadata(path: str | Path) -> dict:
 
     with safe_open(str(lora_file(path)), framework="pt") as f:
         meta = f.metadata() or {}
-    raw = meta.get("lora_adapter_metadata")
-    return json.loads(raw) if raw else {}
+    raw = json.loads(meta.get("lora_adapter_metadata") or "{}")
+    # diffusers prefixes each key with the component it belongs to ("transformer.r")
+    return {k.split(".", 1)[1] if k.startswith("transformer.") else k: v for k, v in raw.items()}
 
 
 class TextEmbedder:

@@ -1,0 +1,56 @@
+"""Shared fixtures: the tiny random SD3 (built once per session) and a saved copy of it on disk.
+
+`tiny_pipe` is shared by every test in the session: a test that changes the transformer (LoRA, training) must
+work on `copy.deepcopy(tiny_pipe.transformer)` — use the `lora_transformer` factory — never on the session one.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def tiny_pipe():
+    """The tiny SD3 pipeline (seed 0, fp32, CPU, eval mode) with its progress bar off. Do not mutate."""
+    from gerl.models.tiny import build_tiny_sd3
+
+    pipe = build_tiny_sd3(0)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """A diffusers directory holding the tiny SD3 (seed 0), loadable with from_pretrained / model.path."""
+    from gerl.models.tiny import save_tiny_sd3
+
+    path = tmp_path_factory.mktemp("tiny_sd3")
+    save_tiny_sd3(path, 0)
+    return path
+
+
+@pytest.fixture
+def lora_transformer(tiny_pipe):
+    """Factory: a deep copy of the tiny transformer with a LoRA adapter attached.
+
+    With `randomize=True` the (zero-initialised) lora_B weights are filled with seeded noise so that the adapter
+    changes the model's output: a test of adapter-aware code passes trivially on an identity adapter.
+    """
+
+    def make(rank: int = 4, alpha: float = 8.0, randomize: bool = False, seed: int = 0, scale: float = 0.05):
+        from gerl.models.loader import add_lora
+
+        tr = copy.deepcopy(tiny_pipe.transformer)
+        add_lora(tr, rank, alpha, ["to_q", "to_k", "to_v", "to_out.0"])
+        if randomize:
+            g = torch.Generator().manual_seed(seed)
+            with torch.no_grad():
+                for name, p in tr.named_parameters():
+                    if "lora_B" in name:
+                        p.copy_(torch.randn(p.shape, generator=g) * scale)
+        return tr
+
+    return make
