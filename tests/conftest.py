@@ -54,3 +54,31 @@ def lora_transformer(tiny_pipe):
         return tr
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_embedder(tiny_pipe):
+    """TextEmbedder over the session pipe (T5 length = the tiny model's TOKEN_LENGTH); read-only, cache shared."""
+    from gerl.models.loader import TextEmbedder
+    from gerl.models.tiny import TOKEN_LENGTH
+
+    return TextEmbedder(tiny_pipe, TOKEN_LENGTH)
+
+
+@pytest.fixture
+def make_rollout(tiny_pipe, tiny_embedder):
+    """Factory: a RolloutWorker over `transformer` (default: the session one) with the session VAE and scheduler.
+
+    Only the transformer is swapped in, so a test can roll out a LoRA copy without touching the session pipe.
+    """
+    from types import SimpleNamespace
+
+    from gerl.models.tiny import RESOLUTION
+    from gerl.workers.rollout import RolloutWorker
+
+    def make(sampling, transformer=None, seed: int = 0):
+        pipe = SimpleNamespace(transformer=transformer if transformer is not None else tiny_pipe.transformer,
+                               vae=tiny_pipe.vae, scheduler=tiny_pipe.scheduler)
+        return RolloutWorker(pipe, tiny_embedder, sampling, RESOLUTION, seed)
+
+    return make
