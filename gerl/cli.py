@@ -1,4 +1,4 @@
-"""`gerl train | sample | eval`. Bad input → one line on stderr and exit code 2 (a traceback only with --debug)."""
+"""`gerl train | sample | eval | score`. Bad input → one line on stderr and exit code 2 (a traceback only with --debug)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from gerl.errors import UserError
+from gerl.errors import RunAborted, UserError
 
 
 def _quiet_libraries() -> None:
@@ -103,6 +103,40 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_score(args) -> int:
+    from PIL import Image
+
+    from rewards.registry import build_reward, call_reward, validate_reward_inputs
+
+    images = []
+    for path in args.images:
+        try:
+            with Image.open(path) as im:
+                images.append(im.convert("RGB"))
+        except (OSError, ValueError) as e:
+            raise UserError(f"cannot read image {path} ({e}); pass PNG/JPEG files") from None
+    if args.prompts:
+        from gerl.data.prompts import load_prompts
+
+        loaded = load_prompts(args.prompts)
+        if len(loaded) < len(images):
+            raise UserError(f"{args.prompts} has {len(loaded)} prompts for {len(images)} images; give one per image")
+        prompts, metadata = [p.text for p in loaded[: len(images)]], [dict(p.metadata) for p in loaded[: len(images)]]
+    else:
+        prompts, metadata = [args.prompt or ""] * len(images), [{} for _ in images]
+    try:
+        kwargs = json.loads(args.kwargs) if args.kwargs else {}
+    except json.JSONDecodeError as e:
+        raise UserError(f"--kwargs is not valid JSON ({e.msg}); write e.g. --kwargs '{{\"rec_only\": true}}'") from None
+    fn = build_reward(args.reward, kwargs)
+    validate_reward_inputs(fn, prompts, metadata)
+    scores, extras = call_reward(fn, images, prompts, metadata)
+    rows = [{"image": path, "prompt": p, "score": s, **{k: v[i] for k, v in extras.items()}}
+            for i, (path, p, s) in enumerate(zip(args.images, prompts, scores))]
+    print(json.dumps(rows, indent=1, default=str))
+    return 0
+
+
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help="'tiny', a local diffusers directory, or a hub id")
     p.add_argument("--lora", default=None, help="a checkpoint directory or .safetensors LoRA")
@@ -138,6 +172,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--reward-kwargs", default="", help="JSON object of reward factory arguments")
     e.add_argument("--out", default=None, help="write per-prompt scores as JSON here")
     e.set_defaults(fn=cmd_eval)
+    c = sub.add_parser("score", help="score image files with a reward (check a custom reward before training)")
+    c.add_argument("reward", help="registered reward name, entry point, or module:callable")
+    c.add_argument("images", nargs="+", help="image files")
+    c.add_argument("--prompt", default=None, help="the prompt for every image")
+    c.add_argument("--prompts", default=None, help="a .txt/.jsonl file: line i is image i's prompt")
+    c.add_argument("--kwargs", default="", help="JSON object of reward factory arguments")
+    c.set_defaults(fn=cmd_score)
     return parser
 
 
@@ -154,6 +195,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"gerl: error: {e}", file=sys.stderr)
         return 2
+    except RunAborted as e:
+        if debug:
+            raise
+        print(f"gerl: run aborted: {e}", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         print("gerl: interrupted", file=sys.stderr)
         return 130

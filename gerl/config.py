@@ -85,12 +85,29 @@ class TrainConfig:
 
 
 @dataclass
-class RewardConfig:
-    name: str = "ocr"  # registered reward name, or package.module:callable
+class RewardComponent:
+    name: str = ""  # registered reward name, entry point, or package.module:callable
     kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the reward factory
+    weight: float = 1.0  # weight in the total reward
+    normalize: Literal["none", "zscore", "scale"] = "none"  # per-step z-score over the batch, or multiply by `scale`, before weighting
+    scale: float = 1.0  # used by normalize=scale
+    pool: Literal["thread", "process"] = "thread"  # threads for I/O-bound calls (HTTP) or GIL-free libraries; processes for CPU-bound Python
+    workers: int = 1  # pool size for this component
+
+
+@dataclass
+class RewardConfig:
+    name: str = "ocr"  # single-reward shorthand: registered name, entry point, or package.module:callable ("" when using components)
+    kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the reward factory
+    pool: Literal["thread", "process"] = "thread"  # where the single reward's calls run (components set their own)
+    workers: int = 1  # pool size for the single reward
+    components: list[RewardComponent] = field(default_factory=list)  # several weighted rewards; replaces name/kwargs when given
     with_reward: bool = True  # submit each decoded micro-batch's reward as a future and keep generating
-    pool: Literal["thread", "process"] = "thread"  # where reward calls run: threads (I/O, GIL-free libs) or worker processes
-    workers: int = 1  # pool size
+    timeout_s: float = 120.0  # per call of a reward on one micro-batch; a call past it counts as a timeout and is retried
+    retries: int = 2  # extra attempts after an error or timeout, with exponential backoff
+    retry_backoff_s: float = 0.5  # first backoff; doubles each retry
+    on_failure: Literal["drop", "fixed", "abort"] = "drop"  # a sample still failing: drop it (a group left with < 2 samples is dropped), give it failure_score, or stop the run
+    failure_score: float = 0.0  # score given to failed samples when on_failure=fixed
 
 
 @dataclass
@@ -154,6 +171,14 @@ def _coerce(value: Any, tp: Any, key: str, errors: list[str]) -> Any:
         if not isinstance(value, (list, tuple)):
             errors.append(f"{key}: expected a list, got {value!r}")
             return value
+        if dataclasses.is_dataclass(inner):
+            out = []
+            for i, v in enumerate(value):
+                if not isinstance(v, dict):
+                    errors.append(f"{key}[{i}]: expected a mapping, got {v!r}")
+                    continue
+                out.append(_build(inner, v, f"{key}[{i}].", errors))
+            return out
         return [_coerce(v, inner, f"{key}[{i}]", errors) for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
@@ -305,11 +330,23 @@ def validate(cfg: Config) -> list[str]:
         e.append("model.lora_rank must be ≥ 1")
     if cfg.model.resolution % 16:
         e.append(f"model.resolution={cfg.model.resolution} must be a multiple of 16")
-    if cfg.reward.workers < 1:
-        e.append("reward.workers must be ≥ 1")
+    r = cfg.reward
+    if r.workers < 1 or any(c.workers < 1 for c in r.components):
+        e.append("reward.workers (and each component's workers) must be ≥ 1")
+    if not r.components and not r.name:
+        e.append("no reward: set reward.name (e.g. ocr) or reward.components")
+    if r.components and any(not c.name for c in r.components):
+        e.append("every reward.components entry needs a name")
+    if r.timeout_s <= 0 or r.retries < 0 or r.retry_backoff_s < 0:
+        e.append("reward.timeout_s must be > 0, reward.retries and reward.retry_backoff_s ≥ 0")
     if cfg.validation.num_prompts < 1:
         e.append("validation.num_prompts must be ≥ 1")
     return e
+
+
+def reward_components(r: RewardConfig) -> list[RewardComponent]:
+    """The rewards to run: the components, or the single-reward shorthand as one component of weight 1."""
+    return list(r.components) or [RewardComponent(name=r.name, kwargs=r.kwargs, pool=r.pool, workers=r.workers)]
 
 
 def derived_sizes(cfg: Config, trained_steps: int) -> dict[str, int]:

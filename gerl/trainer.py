@@ -17,15 +17,15 @@ import torch
 
 from gerl.algo.advantages import PerPromptTracker, compute_advantages
 from gerl.checkpoint import find_resume_checkpoint, load_checkpoint, save_checkpoint
-from gerl.config import Config, derived_sizes, to_dict, to_yaml, trained_steps_per_sample
+from gerl.config import Config, derived_sizes, reward_components, to_dict, to_yaml, trained_steps_per_sample
 from gerl.data.prompts import Prompt, PromptSampler, load_prompts
-from gerl.errors import UserError
+from gerl.errors import RunAborted, UserError
 from gerl.logging.images import image_grid
 from gerl.logging.metrics import MetricsLogger
 from gerl.models.loader import TextEmbedder, add_lora, load_pipeline, lora_file
 from gerl.workers.actor import ActorWorker
-from gerl.workers.batch import RolloutBatch
-from gerl.workers.reward import RewardExecutor
+from gerl.workers.batch import RolloutBatch, subset
+from gerl.workers.reward import RewardResult, RewardSet
 from gerl.workers.rollout import RolloutWorker
 from rewards.registry import build_reward, validate_reward_inputs
 
@@ -34,7 +34,7 @@ from rewards.registry import build_reward, validate_reward_inputs
 class Prepared:
     train_prompts: list[Prompt]
     test_prompts: list[Prompt]
-    reward_fn: object
+    reward_fns: list
     resume_from: Path | None
     pipe: object
 
@@ -58,15 +58,18 @@ def prepare(cfg: Config) -> Prepared:
     if cfg.data.prompts_per_step > len(train):
         raise UserError(f"data.prompts_per_step={cfg.data.prompts_per_step} exceeds the {len(train)} prompts in "
                         f"{cfg.data.train_prompts}; lower it or add prompts")
-    reward_fn = build_reward(cfg.reward.name, cfg.reward.kwargs)
     everything = train + test
-    validate_reward_inputs(reward_fn, [p.text for p in everything], [p.metadata for p in everything])
+    reward_fns = []
+    for comp in reward_components(cfg.reward):
+        fn = build_reward(comp.name, comp.kwargs)
+        validate_reward_inputs(fn, [p.text for p in everything], [p.metadata for p in everything])
+        reward_fns.append(fn)
     if cfg.model.init_lora:
         lora_file(cfg.model.init_lora)
     _check_output_dir(cfg)
     resume_from = find_resume_checkpoint(Path(cfg.output_dir), cfg.resume)
     pipe = load_pipeline(cfg.model.path, cfg.model.dtype, cfg.model.device, cfg.model.tiny_seed)
-    return Prepared(train, test, reward_fn, resume_from, pipe)
+    return Prepared(train, test, reward_fns, resume_from, pipe)
 
 
 class Trainer:
@@ -92,11 +95,14 @@ class Trainer:
         # Local (hybrid) placement: actor and rollout share one transformer, so "weight sync" is a no-op.
         self.actor = ActorWorker(pipe.transformer, cfg.train, cfg.model, cfg.sampling, cfg.max_steps,
                                  self.sizes["images_per_step"], cfg.seed)
-        self.rewards = RewardExecutor(prep.reward_fn, cfg.reward.pool, cfg.reward.workers)
+        r = cfg.reward
+        self.rewards = RewardSet(reward_components(r), prep.reward_fns, r.timeout_s, r.retries, r.retry_backoff_s)
         self.sampler = PromptSampler(self.train_prompts, cfg.data.prompts_per_step, cfg.seed)
         self.tracker = PerPromptTracker(cfg.train.tracker_buffer) if cfg.train.per_prompt_tracker else None
         self.start_step = 0
-        self.counters = {"nonfinite_reward_steps_skipped": 0, "nonfinite_updates_skipped": 0}
+        self.counters = {"nonfinite_reward_steps_skipped": 0, "nonfinite_updates_skipped": 0,
+                         "reward_failed_samples_total": 0, "reward_retries_total": 0, "reward_timeouts_total": 0,
+                         "reward_errors_total": 0, "dropped_samples_total": 0, "dropped_groups_total": 0}
         if prep.resume_from is not None:
             state = load_checkpoint(prep.resume_from, self.actor)
             self.start_step = state["step"]
@@ -122,24 +128,45 @@ class Trainer:
         group_ids = torch.arange(len(chosen)).repeat_interleave(n)
         return prompts, metadata, group_ids
 
-    def score(self, batch: RolloutBatch) -> None:
+    def score(self, batch: RolloutBatch) -> RewardResult:
         """Fill batch.rewards: gather the futures (with_reward) or compute now (off)."""
         if batch.reward_futures:
-            scores, extras, wait, compute = self.rewards.gather([f for _, f in batch.reward_futures])
+            res = self.rewards.gather([f for _, f in batch.reward_futures])
         else:
-            t0 = time.perf_counter()
-            scores, extras, compute = [], {}, 0.0
-            mb = self.cfg.sampling.micro_batch_size
-            for s in range(0, len(batch), mb):
-                sc, ex, c = self.rewards.call(batch.images[s:s + mb], batch.prompts[s:s + mb], batch.metadata[s:s + mb])
-                scores += sc
-                compute += c
-                for k, v in ex.items():
-                    extras.setdefault(k, []).extend(v)
-            wait = time.perf_counter() - t0
-        batch.rewards = torch.tensor([math.nan if s is None else float(s) for s in scores], dtype=torch.float32)
-        batch.reward_extras = extras
-        batch.timings.update(reward_wait_s=wait, reward_compute_s=compute)
+            res = self.rewards.score_now(batch.images, batch.prompts, batch.metadata, self.cfg.sampling.micro_batch_size)
+        batch.rewards = res.total
+        batch.reward_extras = res.extras
+        batch.timings.update(reward_wait_s=res.wait_s, reward_compute_s=res.compute_s)
+        return res
+
+    def apply_failure_policy(self, batch: RolloutBatch, res: RewardResult) -> tuple[RolloutBatch, dict]:
+        """reward.on_failure for samples without a score: drop them (and groups left with < 2), fix a score, or abort."""
+        r = self.cfg.reward
+        missing = res.failed | res.not_applicable
+        m = {"reward_failed_samples": int(res.failed.sum()), "reward_not_applicable": int(res.not_applicable.sum()),
+             **{f"reward_{k}": v for k, v in res.counts.items()}}
+        for k in ("failed_samples", "retries", "timeouts", "errors"):
+            self.counters[f"reward_{k}_total"] += m[f"reward_{k}"]
+        if not missing.any():
+            return batch, m
+        if r.on_failure == "abort":
+            raise RunAborted(f"{int(res.failed.sum())} reward failures and {int(res.not_applicable.sum())} unscored "
+                             f"samples in this step (reward.on_failure=abort); check the reward server/model, or set "
+                             "reward.on_failure=drop")
+        if r.on_failure == "fixed":
+            batch.rewards = batch.rewards.clone()
+            batch.rewards[missing] = r.failure_score
+            return batch, m
+        keep = ~missing
+        for g in batch.group_ids.unique():
+            in_g = batch.group_ids == g
+            if int((keep & in_g).sum()) < 2:  # one sample has no baseline to be compared with
+                keep &= ~in_g
+                self.counters["dropped_groups_total"] += 1
+        dropped = int((~keep).sum())
+        m["dropped_samples"] = dropped
+        self.counters["dropped_samples_total"] += dropped
+        return subset(batch, keep), m
 
     def advantages(self, batch: RolloutBatch) -> torch.Tensor:
         cfg = self.cfg.train
@@ -169,8 +196,8 @@ class Trainer:
                 images = run()
         else:
             images = run()
-        scores, _, _ = self.rewards.call(images, prompts, metadata)
-        valid = [s for s in scores if s is not None and math.isfinite(s)]
+        res = self.rewards.score_now(images, prompts, metadata, self.cfg.sampling.micro_batch_size)
+        valid = [float(v) for v in res.total if math.isfinite(float(v))]
         grid = image_grid(images)
         grid.save(self.run_dir / "samples" / f"val_step_{step:06d}.png")
         self.logger.log_image("validation/images", grid, step)
@@ -200,11 +227,15 @@ class Trainer:
                 prompts, metadata, group_ids = self.next_prompts()
                 batch = self.rollout.generate(prompts, metadata, group_ids, step,
                                               submit=self.rewards.submit if cfg.reward.with_reward else None)
-                self.score(batch)
-                metrics = self._train_on(batch, step)
+                res = self.score(batch)
+                generated = len(batch)
+                batch, fault_metrics = self.apply_failure_policy(batch, res)
+                metrics = self._train_on(batch, step, res)
+                metrics.update(fault_metrics)
                 metrics["sync_s"] = self.sync_weights()
                 metrics["step_s"] = time.perf_counter() - t0
-                metrics["images_per_s"] = len(batch) / metrics["step_s"]
+                metrics["images"] = generated
+                metrics["images_per_s"] = generated / metrics["step_s"]
                 if val_every > 0 and step % val_every == 0 or val_every == 0 and step == cfg.max_steps:
                     metrics.update(self.validate(step))
                 if cfg.log.images_every and step % cfg.log.images_every == 0:
@@ -224,7 +255,7 @@ class Trainer:
             self.logger.close()
         return self.run_dir
 
-    def _train_on(self, batch: RolloutBatch, step: int) -> dict:
+    def _train_on(self, batch: RolloutBatch, step: int, res: RewardResult | None = None) -> dict:
         r = batch.rewards
         finite = torch.isfinite(r)
         m = {
@@ -234,12 +265,17 @@ class Trainer:
             "images": len(batch),
             **batch.timings,
         }
+        for name, comp in (res.components.items() if res is not None and len(res.components) > 1 else []):
+            ok = torch.isfinite(comp)
+            m[f"reward/{name}"] = float(comp[ok].mean()) if ok.any() else math.nan
         for k, v in batch.reward_extras.items():
             vals = [float(x) for x in v if isinstance(x, (int, float)) and math.isfinite(x)]
             if vals:
                 m[f"reward/{k}"] = sum(vals) / len(vals)
         t0 = time.perf_counter()
-        if not finite.all():
+        if len(batch) == 0:
+            pass  # every group was dropped for failed rewards: nothing to learn from this step
+        elif not finite.all():
             # A missing or non-finite reward makes the whole group's baseline meaningless: skip this update.
             self.counters["nonfinite_reward_steps_skipped"] += 1
         else:

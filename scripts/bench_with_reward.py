@@ -31,15 +31,15 @@ def main() -> None:
     trainer = Trainer(cfg, prepare(cfg))
     n_mb = trainer.sizes["rollout_micro_batches"]
     rows = {True: [], False: []}
-    trainer.score(trainer.rollout.generate(*trainer.next_prompts(), 0))  # warm-up: loads the OCR models
+    trainer.score(trainer.rollout.generate(*trainer.next_prompts(), 0, submit=trainer.rewards.submit))  # warm-up: loads the OCR models
     for step in range(1, 2 * args.steps + 1):
         on = step % 2 == 1
         t0 = time.perf_counter()
         prompts, metadata, groups = trainer.next_prompts()
         batch = trainer.rollout.generate(prompts, metadata, groups, step,
                                          submit=trainer.rewards.submit if on else None)
-        trainer.score(batch)
-        m = trainer._train_on(batch, step)
+        res = trainer.score(batch)
+        m = trainer._train_on(batch, step, res)
         m["step_s"] = time.perf_counter() - t0
         rows[on].append(m)
     trainer.rewards.close()

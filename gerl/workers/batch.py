@@ -27,3 +27,18 @@ class RolloutBatch:
 
     def __len__(self) -> int:
         return len(self.prompts)
+
+
+def subset(batch: RolloutBatch, keep: torch.Tensor) -> RolloutBatch:
+    """The samples where `keep` (B,) bool is true, for training after failed rewards were dropped."""
+    idx = keep.nonzero().flatten()
+    pick = lambda xs: [xs[i] for i in idx.tolist()]  # noqa: E731
+    t = batch.traj
+    return RolloutBatch(
+        prompts=pick(batch.prompts), metadata=pick(batch.metadata), group_ids=batch.group_ids[idx],
+        embeds=batch.embeds.index(idx), schedule=batch.schedule,
+        traj=Trajectory(t.latents[idx], t.next_latents[idx], t.log_probs[idx], t.step_indices, t.final_latents[idx]),
+        images=pick(batch.images), policy_version=batch.policy_version,
+        rewards=None if batch.rewards is None else batch.rewards[idx],
+        reward_extras={k: pick(v) for k, v in batch.reward_extras.items()}, timings=batch.timings,
+    )

@@ -1,14 +1,26 @@
-"""Reward execution: a pool that takes one decoded micro-batch at a time and returns a future.
+"""Reward execution: pools that take one decoded micro-batch at a time and return futures, with faults contained.
 
 The rollout submits each micro-batch's images as soon as they are decoded and moves on (ddpo-pytorch's pattern);
-the trainer gathers when advantages need the rewards, and only the wait it actually suffers is "exposed".
+the trainer gathers when the advantages need the scores, and only the wait it actually suffers is "exposed".
+
+Faults never stop or hang a run: every call has a timeout (the call runs on a helper thread that is abandoned if
+it overstays), errors and timeouts are retried with exponential backoff, a dead worker process is replaced, and a
+last-resort deadline on each future bounds the wait. A sample whose call still fails is marked *failed* (never
+given a made-up score); the trainer's `reward.on_failure` policy decides what happens to it.
 """
 
 from __future__ import annotations
 
+import math
 import multiprocessing
+import threading
 import time
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field
+
+import torch
 
 from rewards.registry import call_reward
 
@@ -20,47 +32,225 @@ def _install(fn) -> None:
     _WORKER_FN = fn
 
 
-def _timed_call(fn, images, prompts, metadata):
+@dataclass
+class CallResult:
+    """One reward on one micro-batch."""
+
+    scores: list  # float | None per sample (None = not applicable, or failed)
+    failed: list  # bool per sample: no score after every attempt
+    extras: dict = field(default_factory=dict)
+    compute_s: float = 0.0  # time spent inside the reward, all attempts
+    retries: int = 0
+    timeouts: int = 0
+    errors: int = 0
+    last_error: str = ""
+
+    @staticmethod
+    def failure(n: int, **counts) -> "CallResult":
+        return CallResult([None] * n, [True] * n, **counts)
+
+
+def _call_with_timeout(fn, images, prompts, metadata, timeout_s: float):
+    """Run one call on a daemon thread; returns ('ok', (scores, extras)) | ('error', msg) | ('timeout', None)."""
+    box: dict = {}
+
+    def target():
+        try:
+            box["ok"] = call_reward(fn, images, prompts, metadata)
+        except BaseException as e:  # noqa: BLE001 — any failure of user code is a counted reward fault
+            box["error"] = f"{type(e).__name__}: {e}"
+
+    t = threading.Thread(target=target, daemon=True, name="reward-call")
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        return "timeout", None  # the thread is abandoned; a daemon thread cannot block exit
+    return ("ok", box["ok"]) if "ok" in box else ("error", box["error"])
+
+
+def run_attempts(fn, images, prompts, metadata, timeout_s: float, retries: int, backoff_s: float) -> CallResult:
+    """The whole life of one micro-batch's call: attempts, timeouts, backoff. Runs inside a pool worker."""
+    fn = fn if fn is not None else _WORKER_FN
+    n = len(images)
+    res = CallResult.failure(n)
     t0 = time.perf_counter()
-    scores, extras = call_reward(fn if fn is not None else _WORKER_FN, images, prompts, metadata)
-    return scores, extras, time.perf_counter() - t0
+    for attempt in range(retries + 1):
+        if attempt:
+            res.retries += 1
+            time.sleep(backoff_s * 2 ** (attempt - 1))
+        status, value = _call_with_timeout(fn, images, prompts, metadata, timeout_s)
+        if status == "ok":
+            scores, extras = value
+            res.scores, res.failed, res.extras = list(scores), [False] * n, extras
+            break
+        if status == "timeout":
+            res.timeouts += 1
+            res.last_error = f"timed out after {timeout_s:g} s"
+        else:
+            res.errors += 1
+            res.last_error = value
+    res.compute_s = time.perf_counter() - t0
+    return res
 
 
 class RewardExecutor:
-    """Runs a reward callable in a thread or process pool. `submit` → Future of (scores, extras, compute_s)."""
+    """Runs one reward callable in a thread or process pool. `submit` → Future[CallResult]."""
 
-    def __init__(self, fn, pool: str = "thread", workers: int = 1):
-        self.fn = fn
-        self.pool_kind = pool
-        if pool == "thread":
-            self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reward")
-        elif pool == "process":
-            # forkserver: forking a process that holds torch threads can deadlock
-            ctx = multiprocessing.get_context("forkserver")
-            self.pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_install, initargs=(fn,))
-        else:
+    def __init__(self, fn, pool: str = "thread", workers: int = 1, timeout_s: float = 120.0, retries: int = 2,
+                 backoff_s: float = 0.5):
+        if pool not in ("thread", "process"):
             raise ValueError(f"unknown reward pool {pool!r}; choose thread or process")
+        self.fn, self.pool_kind, self.workers = fn, pool, workers
+        self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
+        self.worker_restarts = 0
+        self._lock = threading.Lock()
+        self.pool = self._new_pool()
+
+    def _new_pool(self):
+        if self.pool_kind == "thread":
+            return ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="reward")
+        # forkserver: forking a process that holds torch threads can deadlock
+        ctx = multiprocessing.get_context("forkserver")
+        return ProcessPoolExecutor(max_workers=self.workers, mp_context=ctx, initializer=_install, initargs=(self.fn,))
+
+    @property
+    def deadline_s(self) -> float:
+        """Longest a healthy call can take: every attempt timing out, plus the backoffs, plus slack."""
+        backoff = sum(self.backoff_s * 2**i for i in range(self.retries))
+        return (self.retries + 1) * self.timeout_s + backoff + 30.0
 
     def submit(self, images, prompts, metadata) -> Future:
         fn = self.fn if self.pool_kind == "thread" else None
-        return self.pool.submit(_timed_call, fn, images, prompts, metadata)
+        args = (fn, images, prompts, metadata, self.timeout_s, self.retries, self.backoff_s)
+        with self._lock:
+            try:
+                fut = self.pool.submit(run_attempts, *args)
+            except (BrokenProcessPool, RuntimeError):
+                self._restart()
+                fut = self.pool.submit(run_attempts, *args)
+        fut.gerl_n = len(images)
+        fut.gerl_submitted = time.monotonic()
+        return fut
 
-    def call(self, images, prompts, metadata):
-        """Synchronous call in this thread (with_reward off, validation)."""
-        return _timed_call(self.fn, images, prompts, metadata)
+    def call(self, images, prompts, metadata) -> CallResult:
+        """Synchronous call in this thread, with the same fault handling (with_reward off, validation)."""
+        return run_attempts(self.fn, images, prompts, metadata, self.timeout_s, self.retries, self.backoff_s)
 
-    @staticmethod
-    def gather(futures: list[Future]) -> tuple[list, dict[str, list], float, float]:
-        """Wait for futures in submission order. Returns (scores, extras, wait_s, compute_s)."""
-        t0 = time.perf_counter()
-        scores, extras, compute = [], {}, 0.0
-        for fut in futures:
-            s, ex, c = fut.result()
-            scores.extend(s)
-            compute += c
-            for k, v in ex.items():
-                extras.setdefault(k, []).extend(v)
-        return scores, extras, time.perf_counter() - t0, compute
+    def result(self, fut: Future) -> CallResult:
+        """The future's result; a dead worker or an overdue future becomes a failed CallResult, never a hang."""
+        remaining = max(0.0, fut.gerl_submitted + self.deadline_s - time.monotonic())
+        try:
+            return fut.result(timeout=remaining)
+        except FutureTimeout:
+            fut.cancel()
+            return CallResult.failure(fut.gerl_n, timeouts=1, last_error="no result before the deadline")
+        except BrokenProcessPool:
+            with self._lock:
+                self._restart()
+            return CallResult.failure(fut.gerl_n, errors=1, last_error="reward worker process died")
+
+    def _restart(self) -> None:
+        if isinstance(self.pool, ProcessPoolExecutor) and getattr(self.pool, "_broken", False):
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            self.pool = self._new_pool()
+            self.worker_restarts += 1
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+@dataclass
+class RewardResult:
+    """All components on a whole batch, combined."""
+
+    total: torch.Tensor  # (B,) weighted sum of (normalised) components; NaN where no component applied or failed
+    failed: torch.Tensor  # (B,) bool: some component failed on this sample after all attempts
+    not_applicable: torch.Tensor  # (B,) bool: every component returned None
+    components: dict[str, torch.Tensor]  # raw (un-normalised) score per component, NaN = None/failed
+    extras: dict[str, list]
+    wait_s: float  # time the caller was blocked gathering
+    compute_s: float  # time spent inside rewards, summed over calls
+    counts: dict[str, int]  # retries, timeouts, errors, worker restarts of this batch
+
+
+class RewardSet:
+    """The configured rewards (one or several weighted components), each with its own pool."""
+
+    def __init__(self, components: list, fns: list, timeout_s: float, retries: int, backoff_s: float):
+        self.specs = components
+        self.names = _unique_names([c.name.rsplit(":", 1)[-1].rsplit(".", 1)[-1] for c in components])
+        self.executors = [RewardExecutor(fn, c.pool, c.workers, timeout_s, retries, backoff_s)
+                          for c, fn in zip(components, fns)]
+
+    def submit(self, images, prompts, metadata) -> list[Future]:
+        """One future per component for this micro-batch."""
+        return [ex.submit(images, prompts, metadata) for ex in self.executors]
+
+    def gather(self, handles: list[list[Future]]) -> RewardResult:
+        """Wait for every micro-batch's futures (in submission order) and combine."""
+        t0 = time.perf_counter()
+        per_mb = [[ex.result(f) for ex, f in zip(self.executors, futs)] for futs in handles]
+        return self._combine(per_mb, time.perf_counter() - t0)
+
+    def score_now(self, images, prompts, metadata, micro_batch_size: int) -> RewardResult:
+        """Score in this thread, micro-batch after micro-batch (with_reward off; validation)."""
+        t0 = time.perf_counter()
+        per_mb = []
+        for s in range(0, len(images), micro_batch_size):
+            sl = slice(s, s + micro_batch_size)
+            per_mb.append([ex.call(images[sl], prompts[sl], metadata[sl]) for ex in self.executors])
+        return self._combine(per_mb, time.perf_counter() - t0)
+
+    def _combine(self, per_mb: list[list[CallResult]], wait_s: float) -> RewardResult:
+        counts = {"retries": 0, "timeouts": 0, "errors": 0}
+        raw, failed_by, extras, compute = [], [], {}, 0.0
+        for i, name in enumerate(self.names):
+            results = [mb[i] for mb in per_mb]
+            scores = [s for r in results for s in r.scores]
+            raw.append(torch.tensor([math.nan if s is None else float(s) for s in scores], dtype=torch.float64))
+            failed_by.append(torch.tensor([f for r in results for f in r.failed], dtype=torch.bool))
+            for r in results:
+                compute += r.compute_s
+                for k in counts:
+                    counts[k] += getattr(r, k)
+                for k, v in r.extras.items():
+                    extras.setdefault(k if len(self.names) == 1 else f"{name}/{k}", []).extend(v)
+        counts["worker_restarts"] = sum(ex.worker_restarts for ex in self.executors)
+        failed = torch.stack(failed_by).any(0)
+        none = torch.stack([torch.isnan(r) for r in raw])
+        total = torch.zeros_like(raw[0])
+        for spec, r in zip(self.specs, raw):
+            total += spec.weight * torch.nan_to_num(normalize(r, spec.normalize, spec.scale, failed), nan=0.0)
+        not_applicable = none.all(0) & ~failed
+        total[failed | not_applicable] = math.nan
+        # A reward that itself returned inf/NaN (not None) is non-finite, not "not applicable": keep it visible.
+        for r in raw:
+            bad = torch.isinf(r)
+            total[bad] = r[bad]
+        return RewardResult(total.float(), failed, not_applicable, {n: r.float() for n, r in zip(self.names, raw)},
+                            extras, wait_s, compute, counts)
+
+    def close(self) -> None:
+        for ex in self.executors:
+            ex.close()
+
+
+def normalize(scores: torch.Tensor, how: str, scale: float, failed: torch.Tensor) -> torch.Tensor:
+    """Per-batch normalisation of one component before weighting. NaN entries (None/failed) are ignored."""
+    if how == "scale":
+        return scores * scale
+    if how == "zscore":
+        valid = scores[~torch.isnan(scores) & ~failed]
+        if len(valid) < 2:
+            return scores - (valid.mean() if len(valid) else 0.0)
+        return (scores - valid.mean()) / (valid.std(unbiased=False) + 1e-8)
+    return scores
+
+
+def _unique_names(names: list[str]) -> list[str]:
+    seen: dict[str, int] = {}
+    out = []
+    for n in names:
+        seen[n] = seen.get(n, 0) + 1
+        out.append(n if seen[n] == 1 else f"{n}_{seen[n]}")
+    return out
