@@ -22,6 +22,7 @@ from gerl.data.prompts import Prompt, PromptSampler, load_prompts
 from gerl.errors import RunAborted, UserError
 from gerl.logging.images import image_grid
 from gerl.logging.metrics import MetricsLogger
+from gerl.logging.timeline import Timeline, truncate_timeline
 from gerl.models.loader import TextEmbedder, add_lora, load_pipeline, lora_file
 from gerl.workers.actor import ActorWorker
 from gerl.workers.batch import RolloutBatch, subset
@@ -116,6 +117,9 @@ class Trainer:
         tmp.write_text(to_yaml(cfg))
         tmp.replace(self.run_dir / "config.yaml")
         (self.run_dir / "samples").mkdir(exist_ok=True)
+        resume_step = self.start_step if prep.resume_from is not None else None
+        self.timeline = Timeline(self.run_dir / "timeline.jsonl")
+        truncate_timeline(self.run_dir, resume_step)
         self.logger = MetricsLogger(self.run_dir, cfg.log.tensorboard, cfg.log.wandb, cfg.log.wandb_project,
                                     to_dict(cfg), self.start_step if prep.resume_from is not None else None)
 
@@ -218,33 +222,11 @@ class Trainer:
             from tqdm import tqdm
 
             progress = tqdm(total=cfg.max_steps, initial=self.start_step, desc="train", file=sys.stderr, dynamic_ncols=True)
-        val_every = cfg.validation.every
-        if val_every > 0 and self.start_step == 0:
+        if cfg.validation.every > 0 and self.start_step == 0:
             self.logger.log(0, self.validate(0))
         try:
             for step in range(self.start_step + 1, cfg.max_steps + 1):
-                t0 = time.perf_counter()
-                prompts, metadata, group_ids = self.next_prompts()
-                batch = self.rollout.generate(prompts, metadata, group_ids, step,
-                                              submit=self.rewards.submit if cfg.reward.with_reward else None)
-                res = self.score(batch)
-                generated = len(batch)
-                batch, fault_metrics = self.apply_failure_policy(batch, res)
-                metrics = self._train_on(batch, step, res)
-                metrics.update(fault_metrics)
-                metrics["sync_s"] = self.sync_weights()
-                metrics["step_s"] = time.perf_counter() - t0
-                metrics["images"] = generated
-                metrics["images_per_s"] = generated / metrics["step_s"]
-                if val_every > 0 and step % val_every == 0 or val_every == 0 and step == cfg.max_steps:
-                    metrics.update(self.validate(step))
-                if cfg.log.images_every and step % cfg.log.images_every == 0:
-                    grid = image_grid(batch.images[: 4 * cfg.data.group_size], cols=cfg.data.group_size)
-                    grid.save(self.run_dir / "samples" / f"train_step_{step:06d}.png")
-                    self.logger.log_image("train/images", grid, step)
-                self.logger.log(step, metrics)
-                if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 or step == cfg.max_steps:
-                    self.checkpoint(step)
+                metrics = self.run_step(step)
                 if progress is not None:
                     progress.update(1)
                     progress.set_postfix(reward=f"{metrics['reward_mean']:.4g}", s=f"{metrics['step_s']:.2f}")
@@ -253,7 +235,48 @@ class Trainer:
                 progress.close()
             self.rewards.close()
             self.logger.close()
+            self.timeline.flush()
         return self.run_dir
+
+    def run_step(self, step: int) -> dict:
+        """generate (reward futures per micro-batch) → gather rewards → advantages + update → sync → log."""
+        cfg, tl = self.cfg, self.timeline
+        t0 = time.perf_counter()
+        with tl.span("trainer", "step", step):
+            prompts, metadata, group_ids = self.next_prompts()
+            with tl.span("trainer", "generate", step):
+                batch = self.rollout.generate(prompts, metadata, group_ids, step,
+                                              submit=self.rewards.submit if cfg.reward.with_reward else None)
+            with tl.span("trainer", "wait_reward", step):
+                res = self.score(batch)
+            generated, full_batch = len(batch), batch
+            batch, fault_metrics = self.apply_failure_policy(batch, res)
+            with tl.span("trainer", "train", step):
+                metrics = self._train_on(batch, step, res)
+            with tl.span("trainer", "sync", step):
+                metrics["sync_s"] = self.sync_weights()
+            metrics.update(fault_metrics)
+            metrics["step_s"] = time.perf_counter() - t0
+            metrics["images"] = generated
+            metrics["images_per_s"] = generated / metrics["step_s"]
+            every = cfg.validation.every
+            if every > 0 and step % every == 0 or every == 0 and step == cfg.max_steps:
+                with tl.span("trainer", "validate", step):
+                    metrics.update(self.validate(step))
+            if cfg.log.images_every and step % cfg.log.images_every == 0:
+                grid = image_grid(full_batch.images[: 4 * cfg.data.group_size], cols=cfg.data.group_size)
+                grid.save(self.run_dir / "samples" / f"train_step_{step:06d}.png")
+                self.logger.log_image("train/images", grid, step)
+            self.logger.log(step, metrics)
+            if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 or step == cfg.max_steps:
+                with tl.span("trainer", "checkpoint", step):
+                    self.checkpoint(step)
+        for sp in full_batch.spans:
+            tl.add("rollout", sp["name"], sp["start"], sp["end"], step)
+        for sp in res.spans:
+            tl.add(sp["lane"], sp["name"], sp["start"], sp["end"], step)
+        tl.flush()
+        return metrics
 
     def _train_on(self, batch: RolloutBatch, step: int, res: RewardResult | None = None) -> dict:
         r = batch.rewards

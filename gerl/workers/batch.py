@@ -24,6 +24,7 @@ class RolloutBatch:
     rewards: torch.Tensor | None = None  # (B,) filled once the futures are gathered
     reward_extras: dict[str, list] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)  # seconds per rollout stage
+    spans: list[dict] = field(default_factory=list)  # {"name", "start", "end"} wall-clock spans of the rollout's stages
 
     def __len__(self) -> int:
         return len(self.prompts)

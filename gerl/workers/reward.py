@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import multiprocessing
+import os
 import threading
 import time
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
@@ -44,6 +45,9 @@ class CallResult:
     timeouts: int = 0
     errors: int = 0
     last_error: str = ""
+    start: float = 0.0  # wall clock (epoch seconds) of the first attempt, for the timeline
+    end: float = 0.0
+    worker: str = ""  # thread name or process id that ran it
 
     @staticmethod
     def failure(n: int, **counts) -> "CallResult":
@@ -73,6 +77,8 @@ def run_attempts(fn, images, prompts, metadata, timeout_s: float, retries: int, 
     fn = fn if fn is not None else _WORKER_FN
     n = len(images)
     res = CallResult.failure(n)
+    res.start = time.time()
+    res.worker = f"pid{os.getpid()}" if fn is _WORKER_FN else threading.current_thread().name
     t0 = time.perf_counter()
     for attempt in range(retries + 1):
         if attempt:
@@ -90,6 +96,7 @@ def run_attempts(fn, images, prompts, metadata, timeout_s: float, retries: int, 
             res.errors += 1
             res.last_error = value
     res.compute_s = time.perf_counter() - t0
+    res.end = time.time()
     return res
 
 
@@ -171,6 +178,7 @@ class RewardResult:
     wait_s: float  # time the caller was blocked gathering
     compute_s: float  # time spent inside rewards, summed over calls
     counts: dict[str, int]  # retries, timeouts, errors, worker restarts of this batch
+    spans: list[dict] = field(default_factory=list)  # one per call: {"lane", "name", "start", "end"}
 
 
 class RewardSet:
@@ -203,13 +211,15 @@ class RewardSet:
 
     def _combine(self, per_mb: list[list[CallResult]], wait_s: float) -> RewardResult:
         counts = {"retries": 0, "timeouts": 0, "errors": 0}
-        raw, failed_by, extras, compute = [], [], {}, 0.0
+        raw, failed_by, extras, compute, spans = [], [], {}, 0.0, []
         for i, name in enumerate(self.names):
             results = [mb[i] for mb in per_mb]
             scores = [s for r in results for s in r.scores]
             raw.append(torch.tensor([math.nan if s is None else float(s) for s in scores], dtype=torch.float64))
             failed_by.append(torch.tensor([f for r in results for f in r.failed], dtype=torch.bool))
-            for r in results:
+            for j, r in enumerate(results):
+                if r.end > 0:
+                    spans.append({"lane": f"reward/{name}/{r.worker}", "name": f"{name} mb{j}", "start": r.start, "end": r.end})
                 compute += r.compute_s
                 for k in counts:
                     counts[k] += getattr(r, k)
@@ -228,7 +238,7 @@ class RewardSet:
             bad = torch.isinf(r)
             total[bad] = r[bad]
         return RewardResult(total.float(), failed, not_applicable, {n: r.float() for n, r in zip(self.names, raw)},
-                            extras, wait_s, compute, counts)
+                            extras, wait_s, compute, counts, spans)
 
     def close(self) -> None:
         for ex in self.executors:

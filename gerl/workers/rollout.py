@@ -58,7 +58,7 @@ class RolloutWorker:
         window_rng = torch.Generator().manual_seed(sample_seed(self.seed, step, -1))
         sde_steps = sde_window(sched.num_steps, cfg.sde_window_size, tuple(cfg.sde_window_range), window_rng)
         guided = cfg.guidance_scale > 1.0
-        trajs, images, futures, embeds_all = [], [], [], []
+        trajs, images, futures, embeds_all, spans = [], [], [], [], []
         t_gen = t_dec = 0.0
         self.pipe.transformer.eval()
         for start in range(0, len(prompts), cfg.micro_batch_size):
@@ -71,8 +71,12 @@ class RolloutWorker:
                            cfg.noise_level, cfg.guidance_scale, gens)
             t1 = time.perf_counter()
             mb_images = decode(self.pipe.vae, traj.final_latents)
-            t_dec += time.perf_counter() - t1
+            t2 = time.perf_counter()
+            t_dec += t2 - t1
             t_gen += t1 - t0
+            wall = time.time() - t2  # perf_counter → epoch offset, for the timeline
+            spans += [{"name": f"generate mb{len(trajs)}", "start": t0 + wall, "end": t1 + wall},
+                      {"name": f"decode mb{len(trajs)}", "start": t1 + wall, "end": t2 + wall}]
             if submit is not None:
                 futures.append((sl, submit(mb_images, prompts[sl], metadata[sl])))
             trajs.append(traj)
@@ -81,7 +85,7 @@ class RolloutWorker:
         return RolloutBatch(
             prompts=list(prompts), metadata=list(metadata), group_ids=group_ids, embeds=Embeds.cat(embeds_all),
             schedule=sched, traj=Trajectory.cat(trajs), images=images, policy_version=self.policy_version,
-            reward_futures=futures, timings={"generate_s": t_gen, "decode_s": t_dec},
+            reward_futures=futures, timings={"generate_s": t_gen, "decode_s": t_dec}, spans=spans,
         )
 
     @torch.no_grad()
