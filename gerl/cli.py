@@ -1,4 +1,4 @@
-"""`gerl train | sample | eval | score`. Bad input → one line on stderr and exit code 2 (a traceback only with --debug)."""
+"""`gerl train | sample | eval | score | report`. Bad input → one line on stderr and exit code 2 (a traceback only with --debug)."""
 
 from __future__ import annotations
 
@@ -137,6 +137,14 @@ def cmd_score(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    from gerl.logging.report import write_report
+
+    out = write_report([Path(r) for r in args.runs], Path(args.out) if args.out else None)
+    print(f"gerl: report written to {out}")
+    return 0
+
+
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help="'tiny', a local diffusers directory, or a hub id")
     p.add_argument("--lora", default=None, help="a checkpoint directory or .safetensors LoRA")
@@ -179,6 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--prompts", default=None, help="a .txt/.jsonl file: line i is image i's prompt")
     c.add_argument("--kwargs", default="", help="JSON object of reward factory arguments")
     c.set_defaults(fn=cmd_score)
+    r = sub.add_parser("report", help="HTML + PNG report of one or more runs (curves, seed table, timeline)")
+    r.add_argument("runs", nargs="+", help="run directories")
+    r.add_argument("--out", default=None, help="output .html path (default: RUN_DIR/report.html for one run)")
+    r.set_defaults(fn=cmd_report)
     return parser
 
 

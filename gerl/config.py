@@ -127,6 +127,13 @@ class LogConfig:
 
 
 @dataclass
+class MetricsConfig:
+    target_val_reward: float = 0.8  # "GPU-hours to target": first validation whose mean reward reaches this...
+    target_hold: int = 1  # ...and stays at or above it for this many consecutive validations
+    peak_tflops: float = 0.0  # device peak dense TFLOP/s for MFU in the model dtype (0 = guess from the device name; CPU → no MFU)
+
+
+@dataclass
 class CheckpointConfig:
     every: int = 0  # save every N steps (0 = only at the end)
     keep_last: int = 3  # older step_NNNNNN directories are deleted (0 = keep all)
@@ -146,6 +153,7 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 

@@ -93,3 +93,79 @@ def save_tiny_llava(path: str | Path, seed: int = 0) -> Path:
 
 if __name__ == "__main__":
     print(save_tiny_llava(sys.argv[1]))
+
+
+class ServedModel:
+    """`transformers serve MODEL_DIR` on 127.0.0.1 and a free port, as a subprocess; `stop()` always kills it.
+
+    Its stdout and stderr go to `log_path` unbuffered: "[Request received]" is logged when a request starts being
+    processed and uvicorn's access line when its response is sent, so the log shows how requests overlapped.
+    """
+
+    def __init__(self, model_dir: Path, log_path: Path, startup_timeout_s: float = 90.0):
+        import os
+        import socket
+        import subprocess
+        import time
+        import urllib.request
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.model = str(model_dir)
+        self.base_url = f"http://127.0.0.1:{self.port}/v1"
+        self.log_path = log_path
+        cache = log_path.parent / "hf_cache"  # /v1/models scans the hub cache: an empty one lists nothing
+        cache.mkdir(exist_ok=True)
+        env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
+               "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+        exe = Path(sys.executable).with_name("transformers")
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(
+            [str(exe), "serve", self.model, "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu",
+             "--log-level", "info"], stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + startup_timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                self.stop()
+                raise RuntimeError(f"transformers serve exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"transformers serve not healthy after {startup_timeout_s} s:\n{self.log()[-3000:]}")
+            time.sleep(0.25)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def max_overlap(self) -> int:
+        """Most requests the server held at once: received but not yet answered, from the log's event order."""
+        inside = peak = 0
+        for line in self.log().splitlines():
+            if "[Request received]" in line:
+                inside += 1
+                peak = max(peak, inside)
+            elif "POST /v1/chat/completions" in line:
+                inside = max(inside - 1, 0)
+        return peak
+
+    def kill(self) -> None:
+        """SIGKILL: the server dies mid-request, as a crashed or preempted one does."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except Exception:  # noqa: BLE001 — whatever happens, do not leave it running
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
