@@ -127,6 +127,23 @@ class LogConfig:
 
 
 @dataclass
+class EngineConfig:
+    kind: Literal["local", "ray"] = "local"  # local: one process; ray: roles as Ray actors on resource pools
+    hybrid: bool = True  # colocate actor and rollout on the same devices sharing one model (no weight sync); false = decoupled pools
+    actor_workers: int = 1  # N: data-parallel training ranks (devices) in the actor pool
+    rollout_workers: int = 1  # M: generation workers (devices) in the rollout pool; a step's groups are split across them
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # what each worker's share is: a GPU each, or cpus_per_worker cores
+    cpus_per_worker: int = 1  # CPU cores pinned to each worker when device=cpu (torch threads = this)
+    schedule: Literal["sync", "async"] = "sync"  # sync: generate → reward → train → sync; async: generation runs max_staleness batches ahead
+    max_staleness: int = 1  # async only: batches generated ahead of training (1 = one-step-off; ROLL's async_generation_ratio)
+    ratio_cap: float = 0.0  # truncate the importance ratio at this value for stale batches (0 = off)
+    weight_sync: Literal["auto", "object_store", "broadcast"] = "auto"  # auto: object store for LoRA, bucketed broadcast for full fine-tuning
+    sync_bucket_mb: int = 256  # bucket size of the broadcast weight sync
+    ray_address: str = ""  # "" = start a local Ray; "auto" or host:port = join an existing cluster (ray start --head)
+    max_rollout_restarts: int = 3  # a dead rollout worker is replaced this many times before the run fails
+
+
+@dataclass
 class MetricsConfig:
     target_val_reward: float = 0.8  # "GPU-hours to target": first validation whose mean reward reaches this...
     target_hold: int = 1  # ...and stays at or above it for this many consecutive validations
@@ -152,6 +169,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
     log: LogConfig = field(default_factory=LogConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -347,6 +365,26 @@ def validate(cfg: Config) -> list[str]:
         e.append("every reward.components entry needs a name")
     if r.timeout_s <= 0 or r.retries < 0 or r.retry_backoff_s < 0:
         e.append("reward.timeout_s must be > 0, reward.retries and reward.retry_backoff_s ≥ 0")
+    g = cfg.engine
+    if g.actor_workers < 1 or g.rollout_workers < 1 or g.cpus_per_worker < 1:
+        e.append("engine.actor_workers, engine.rollout_workers and engine.cpus_per_worker must be ≥ 1")
+    elif g.kind == "local" and (g.actor_workers > 1 or g.rollout_workers > 1 or not g.hybrid or g.schedule != "sync"):
+        e.append("engine.kind=local runs one colocated worker with schedule=sync; set engine.kind=ray for more "
+                 "workers, hybrid=false or schedule=async")
+    elif g.hybrid and g.schedule == "async":
+        e.append("engine.schedule=async needs engine.hybrid=false (a colocated rollout cannot generate while its "
+                 "device trains)")
+    elif g.hybrid and g.actor_workers != g.rollout_workers:
+        e.append(f"engine.hybrid=true colocates one actor and one rollout per device: actor_workers "
+                 f"({g.actor_workers}) must equal rollout_workers ({g.rollout_workers})")
+    if g.schedule == "async" and g.max_staleness < 1:
+        e.append("engine.max_staleness must be ≥ 1 with schedule=async")
+    if d.prompts_per_step % g.rollout_workers:
+        e.append(f"data.prompts_per_step={d.prompts_per_step} must be divisible by engine.rollout_workers "
+                 f"({g.rollout_workers}): each rollout worker generates whole groups")
+    if mini % g.actor_workers or (mini // g.actor_workers) % max(t.micro_batch_size, 1):
+        e.append(f"train.mini_batch_size ({mini}) must split evenly over engine.actor_workers ({g.actor_workers}) "
+                 f"in multiples of train.micro_batch_size ({t.micro_batch_size})")
     if cfg.validation.num_prompts < 1:
         e.append("validation.num_prompts must be ≥ 1")
     return e
@@ -382,5 +420,17 @@ def to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 
 
+SECRET_WORDS = ("key", "token", "secret", "password")
+
+
+def redact(obj):
+    """Copy of a config dict with secret-looking values (api_key, token, ...) replaced, for files and loggers."""
+    if isinstance(obj, dict):
+        return {k: "***" if any(w in str(k).lower() for w in SECRET_WORDS) and v else redact(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [redact(v) for v in obj]
+    return obj
+
+
 def to_yaml(cfg: Config) -> str:
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+    return yaml.safe_dump(redact(to_dict(cfg)), sort_keys=False)

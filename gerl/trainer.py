@@ -1,7 +1,9 @@
 """The training loop, top to bottom: sample prompts → generate (reward futures per micro-batch) → gather rewards →
 advantages → update → sync weights → log / checkpoint / validate.
 
-`prepare` checks everything a user can get wrong *before* anything is written; `Trainer.fit` is the loop.
+`prepare` checks everything a user can get wrong *before* anything is written; `Trainer.fit` is the loop. The
+engine (gerl/engine) places the roles — in this process, or as Ray actors — and the schedule decides how far
+generation runs ahead of training: 0 batches (sync) or up to engine.max_staleness (async; 1 = one-step-off).
 """
 
 from __future__ import annotations
@@ -10,24 +12,23 @@ import math
 import os
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from gerl.algo.advantages import PerPromptTracker, compute_advantages
-from gerl.checkpoint import find_resume_checkpoint, load_checkpoint, save_checkpoint
-from gerl.config import Config, derived_sizes, reward_components, to_dict, to_yaml, trained_steps_per_sample
+from gerl.checkpoint import find_resume_checkpoint
+from gerl.config import Config, derived_sizes, redact, reward_components, to_dict, to_yaml, trained_steps_per_sample
 from gerl.data.prompts import Prompt, PromptSampler, load_prompts
 from gerl.errors import RunAborted, UserError
 from gerl.logging.images import image_grid
 from gerl.logging.metrics import MetricsLogger
 from gerl.logging.timeline import Timeline, truncate_timeline
-from gerl.models.loader import TextEmbedder, add_lora, load_pipeline, lora_file
-from gerl.workers.actor import ActorWorker
+from gerl.models.loader import lora_file
 from gerl.workers.batch import RolloutBatch, subset
-from gerl.workers.reward import RewardResult, RewardSet
-from gerl.workers.rollout import RolloutWorker
+from gerl.workers.reward import RewardResult
 from rewards.registry import build_reward, validate_reward_inputs
 
 
@@ -69,7 +70,13 @@ def prepare(cfg: Config) -> Prepared:
         lora_file(cfg.model.init_lora)
     _check_output_dir(cfg)
     resume_from = find_resume_checkpoint(Path(cfg.output_dir), cfg.resume)
-    pipe = load_pipeline(cfg.model.path, cfg.model.dtype, cfg.model.device, cfg.model.tiny_seed)
+    pipe = None
+    if cfg.engine.kind == "local":
+        from gerl.engine.roles import build_pipeline
+
+        pipe = build_pipeline(cfg)
+    elif cfg.model.path != "tiny" and not Path(cfg.model.path).exists() and "/" not in cfg.model.path:
+        raise UserError(f"model.path {cfg.model.path!r} is neither 'tiny', an existing directory, nor a hub id")
     return Prepared(train, test, reward_fns, resume_from, pipe)
 
 
@@ -78,40 +85,30 @@ class Trainer:
         self.cfg = cfg
         self.run_dir = Path(cfg.output_dir)
         self.train_prompts, self.test_prompts = prep.train_prompts, prep.test_prompts
-        pipe = prep.pipe
-        if cfg.model.lora:
-            if cfg.model.init_lora:
-                pipe.load_lora_weights(str(lora_file(cfg.model.init_lora).parent), weight_name=lora_file(cfg.model.init_lora).name,
-                                       adapter_name="default")
-                for name, p in pipe.transformer.named_parameters():
-                    if "lora_" in name:  # loaded adapters come frozen; they are what we train
-                        p.data = p.data.float()
-                        p.requires_grad_(True)
-            else:
-                add_lora(pipe.transformer, cfg.model.lora_rank, cfg.model.lora_alpha, cfg.model.lora_targets)
-        self.pipe = pipe
-        self.embedder = TextEmbedder(pipe, cfg.model.max_sequence_length, cfg.model.text_cache_size)
         self.sizes = derived_sizes(cfg, trained_steps_per_sample(cfg))
-        self.rollout = RolloutWorker(pipe, self.embedder, cfg.sampling, cfg.model.resolution, cfg.seed)
-        # Local (hybrid) placement: actor and rollout share one transformer, so "weight sync" is a no-op.
-        self.actor = ActorWorker(pipe.transformer, cfg.train, cfg.model, cfg.sampling, cfg.max_steps,
-                                 self.sizes["images_per_step"], cfg.seed)
-        r = cfg.reward
-        self.rewards = RewardSet(reward_components(r), prep.reward_fns, r.timeout_s, r.retries, r.retry_backoff_s)
+        if cfg.engine.kind == "local":
+            from gerl.engine.local import LocalEngine
+
+            self.engine = LocalEngine(cfg, prep.reward_fns, prep.pipe)
+        else:
+            from gerl.engine.ray_engine import RayEngine
+
+            self.engine = RayEngine(cfg)
         self.sampler = PromptSampler(self.train_prompts, cfg.data.prompts_per_step, cfg.seed)
+        self.sampler_after: dict[int, dict] = {}  # step → sampler position after drawing that step's prompts
         self.tracker = PerPromptTracker(cfg.train.tracker_buffer) if cfg.train.per_prompt_tracker else None
         self.start_step = 0
-        self.counters = {"nonfinite_reward_steps_skipped": 0, "nonfinite_updates_skipped": 0,
-                         "reward_failed_samples_total": 0, "reward_retries_total": 0, "reward_timeouts_total": 0,
-                         "reward_errors_total": 0, "dropped_samples_total": 0, "dropped_groups_total": 0}
+        self.counters = {k: 0 for k in (
+            "nonfinite_reward_steps_skipped", "nonfinite_updates_skipped", "reward_failed_samples_total",
+            "reward_retries_total", "reward_timeouts_total", "reward_errors_total", "dropped_samples_total",
+            "dropped_groups_total")}
         if prep.resume_from is not None:
-            state = load_checkpoint(prep.resume_from, self.actor)
+            state = self.engine.load(prep.resume_from)
             self.start_step = state["step"]
             self.sampler.load_state_dict(state["sampler"])
             if self.tracker is not None and state.get("tracker"):
                 self.tracker.load_state_dict(state["tracker"])
             self.counters.update(state.get("counters", {}))
-        self.rollout.policy_version = self.actor.version
         self.run_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.run_dir / "config.yaml.tmp"
         tmp.write_text(to_yaml(cfg))
@@ -121,27 +118,17 @@ class Trainer:
         self.timeline = Timeline(self.run_dir / "timeline.jsonl")
         truncate_timeline(self.run_dir, resume_step)
         self.logger = MetricsLogger(self.run_dir, cfg.log.tensorboard, cfg.log.wandb, cfg.log.wandb_project,
-                                    to_dict(cfg), self.start_step if prep.resume_from is not None else None)
+                                    redact(to_dict(cfg)), resume_step)
 
     # ------------------------------------------------------------------ stages
-    def next_prompts(self) -> tuple[list[str], list[dict], torch.Tensor]:
+    def next_prompts(self, step: int) -> tuple[list[str], list[dict], torch.Tensor]:
         n = self.cfg.data.group_size
         chosen = self.sampler.next_prompts()
+        self.sampler_after[step] = self.sampler.state_dict()
         prompts = [p.text for p in chosen for _ in range(n)]
         metadata = [dict(p.metadata) for p in chosen for _ in range(n)]
         group_ids = torch.arange(len(chosen)).repeat_interleave(n)
         return prompts, metadata, group_ids
-
-    def score(self, batch: RolloutBatch) -> RewardResult:
-        """Fill batch.rewards: gather the futures (with_reward) or compute now (off)."""
-        if batch.reward_futures:
-            res = self.rewards.gather([f for _, f in batch.reward_futures])
-        else:
-            res = self.rewards.score_now(batch.images, batch.prompts, batch.metadata, self.cfg.sampling.micro_batch_size)
-        batch.rewards = res.total
-        batch.reward_extras = res.extras
-        batch.timings.update(reward_wait_s=res.wait_s, reward_compute_s=res.compute_s)
-        return res
 
     def apply_failure_policy(self, batch: RolloutBatch, res: RewardResult) -> tuple[RolloutBatch, dict]:
         """reward.on_failure for samples without a score: drop them (and groups left with < 2), fix a score, or abort."""
@@ -180,27 +167,12 @@ class Trainer:
             adv = compute_advantages(cfg.advantage, batch.rewards, batch.group_ids, cfg.adv_clip_max)
         return -adv if cfg.flip_advantage else adv
 
-    def sync_weights(self) -> float:
-        self.rollout.policy_version = self.actor.version
-        return 0.0
-
     @torch.no_grad()
     def validate(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
-        cfg = self.cfg
         prompts = [p.text for p in self.test_prompts]
         metadata = [dict(p.metadata) for p in self.test_prompts]
-
-        def run():
-            return self.rollout.sample_images(prompts, cfg.validation.seed, cfg.sampling.eval_num_steps,
-                                              cfg.sampling.eval_guidance_scale)
-
-        if self.actor.ema is not None:
-            with self.actor.ema.swapped():
-                images = run()
-        else:
-            images = run()
-        res = self.rewards.score_now(images, prompts, metadata, self.cfg.sampling.micro_batch_size)
+        images, res = self.engine.validate(prompts, metadata)
         valid = [float(v) for v in res.total if math.isfinite(float(v))]
         grid = image_grid(images)
         grid.save(self.run_dir / "samples" / f"val_step_{step:06d}.png")
@@ -209,9 +181,9 @@ class Trainer:
                 "validate_s": time.perf_counter() - t0}
 
     def checkpoint(self, step: int) -> None:
-        extra = {"sampler": self.sampler.state_dict(), "tracker": self.tracker.state_dict() if self.tracker else None,
+        extra = {"sampler": self.sampler_after[step], "tracker": self.tracker.state_dict() if self.tracker else None,
                  "counters": self.counters}
-        save_checkpoint(self.run_dir, step, self.actor, extra, self.cfg.checkpoint.keep_last)
+        self.engine.save(self.run_dir, step, extra, self.cfg.checkpoint.keep_last)
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> Path:
@@ -222,40 +194,49 @@ class Trainer:
             from tqdm import tqdm
 
             progress = tqdm(total=cfg.max_steps, initial=self.start_step, desc="train", file=sys.stderr, dynamic_ncols=True)
-        if cfg.validation.every > 0 and self.start_step == 0:
-            self.logger.log(0, self.validate(0))
+        ahead = cfg.engine.max_staleness if cfg.engine.schedule == "async" else 0
+        pending: deque = deque()  # (step, handle) of generations issued but not yet trained on
+        next_gen = self.start_step + 1
         try:
+            if cfg.validation.every > 0 and self.start_step == 0:
+                with self.timeline.span("trainer", "validate", 0):
+                    self.logger.log(0, self.validate(0))
             for step in range(self.start_step + 1, cfg.max_steps + 1):
-                metrics = self.run_step(step)
+                # Keep `ahead` batches generating beyond the one trained now (none for the sync schedule).
+                while next_gen <= min(step + ahead, cfg.max_steps):
+                    pending.append((next_gen, self.engine.submit(next_gen, *self.next_prompts(next_gen))))
+                    next_gen += 1
+                gen_step, handle = pending.popleft()
+                assert gen_step == step
+                metrics = self.run_step(step, handle)
                 if progress is not None:
                     progress.update(1)
-                    progress.set_postfix(reward=f"{metrics['reward_mean']:.4g}", s=f"{metrics['step_s']:.2f}")
+                    progress.set_postfix(reward=f"{metrics['reward_mean']:.4g}", s=f"{metrics['step_s']:.2f}",
+                                         lag=metrics["policy_lag"])
         finally:
             if progress is not None:
                 progress.close()
-            self.rewards.close()
+            self.engine.close()
             self.logger.close()
             self.timeline.flush()
         return self.run_dir
 
-    def run_step(self, step: int) -> dict:
-        """generate (reward futures per micro-batch) → gather rewards → advantages + update → sync → log."""
+    def run_step(self, step: int, handle) -> dict:
+        """collect the step's rewarded batch → failure policy → advantages + update → sync → validate/log/save."""
         cfg, tl = self.cfg, self.timeline
         t0 = time.perf_counter()
         with tl.span("trainer", "step", step):
-            prompts, metadata, group_ids = self.next_prompts()
-            with tl.span("trainer", "generate", step):
-                batch = self.rollout.generate(prompts, metadata, group_ids, step,
-                                              submit=self.rewards.submit if cfg.reward.with_reward else None)
-            with tl.span("trainer", "wait_reward", step):
-                res = self.score(batch)
+            with tl.span("trainer", "wait_rollout", step):
+                batch, res = self.engine.collect(handle)
             generated, full_batch = len(batch), batch
+            lag = self.engine.actor_version - batch.policy_version  # training steps between generation and update
             batch, fault_metrics = self.apply_failure_policy(batch, res)
             with tl.span("trainer", "train", step):
                 metrics = self._train_on(batch, step, res)
             with tl.span("trainer", "sync", step):
-                metrics["sync_s"] = self.sync_weights()
+                metrics["sync_s"] = self.engine.sync()
             metrics.update(fault_metrics)
+            metrics.update(policy_lag=lag, rollout_restarts=self.engine.restarts)
             metrics["step_s"] = time.perf_counter() - t0
             metrics["images"] = generated
             metrics["images_per_s"] = generated / metrics["step_s"]
@@ -267,13 +248,14 @@ class Trainer:
                 grid = image_grid(full_batch.images[: 4 * cfg.data.group_size], cols=cfg.data.group_size)
                 grid.save(self.run_dir / "samples" / f"train_step_{step:06d}.png")
                 self.logger.log_image("train/images", grid, step)
+            spans = metrics.pop("_spans", [])
             self.logger.log(step, metrics)
             if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 or step == cfg.max_steps:
                 with tl.span("trainer", "checkpoint", step):
                     self.checkpoint(step)
         for sp in full_batch.spans:
-            tl.add("rollout", sp["name"], sp["start"], sp["end"], step)
-        for sp in res.spans:
+            tl.add(f"rollout{sp.get('shard', 0)}", sp["name"], sp["start"], sp["end"], step)
+        for sp in list(res.spans) + spans:
             tl.add(sp["lane"], sp["name"], sp["start"], sp["end"], step)
         tl.flush()
         return metrics
@@ -285,7 +267,6 @@ class Trainer:
             "reward_mean": float(r[finite].mean()) if finite.any() else math.nan,
             "reward_std": float(r[finite].std(unbiased=False)) if finite.any() else math.nan,
             "policy_version": batch.policy_version,
-            "images": len(batch),
             **batch.timings,
         }
         for name, comp in (res.components.items() if res is not None and len(res.components) > 1 else []):
@@ -303,14 +284,12 @@ class Trainer:
             self.counters["nonfinite_reward_steps_skipped"] += 1
         else:
             adv = self.advantages(batch)
-            stats = self.actor.update(batch, adv, step)
+            stats = self.engine.update(batch, adv, step)
             self.counters["nonfinite_updates_skipped"] += stats.pop("nonfinite_updates_skipped")
             m.update(stats)
             m["advantage_abs_mean"] = float(adv.abs().mean())
         m["train_s"] = time.perf_counter() - t0
         m.update(self.counters)
-        m["learning_rate"] = self.actor.optimizer.param_groups[0]["lr"]
-        m["text_cache_hits"] = self.embedder.hits
         return m
 
 

@@ -24,7 +24,7 @@ import re
 from gerl.errors import UserError
 from rewards.ocr import ocr_score, target_for
 from rewards.registry import register
-from rewards.vlm_client import ChatClient, Reply, image_content, make_client
+from rewards.vlm_client import ChatClient, Reply, make_client
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ class _VlmReward:
 
     def ask(self, images, questions: list[str]) -> list[Reply]:
         """One question per image, concurrently; logs a one-line summary of any failed requests."""
-        replies = self.client.chat_many([image_content(im, q) for im, q in zip(images, questions)])
+        replies = self.client.ask(images, questions)
         failed = [r for r in replies if r.text is None]
         if failed:
             logger.warning("%s: %d of %d VLM requests failed after %d attempt(s); first error: %s", self.name,
@@ -166,7 +166,8 @@ class VlmOcrReward(_VlmReward):
             scores.append(ocr_score(text, target) if text is not None else None)
             texts.append(text or "")
             failed.append(int(reply is not None and text is None))
-        return scores, {"vlm_text": texts, "vlm_failed": failed}
+        # "failed" is the executor's contract: these samples go to reward.on_failure, not "not applicable"
+        return scores, {"vlm_text": texts, "vlm_failed": failed, "failed": list(failed)}
 
     def validate(self, prompts: list[str], metadata: list[dict]) -> None:
         """Every prompt needs a target text; then the server must be up and serve the model."""
@@ -219,7 +220,9 @@ class VlmJudgeReward(_VlmReward):
         if any(unparsed):
             logger.warning("%s: %d of %d replies had no readable score, e.g. %r", self.name, sum(unparsed),
                            len(unparsed), next(t for t, u in zip(texts, unparsed) if u)[:120])
-        return scores, {"vlm_text": texts, "vlm_failed": failed, "vlm_parse_failed": unparsed}
+        # an unparseable judgement is a failure for the fault policy, like a failed request
+        both = [int(bool(a) or bool(b)) for a, b in zip(failed, unparsed)]
+        return scores, {"vlm_text": texts, "vlm_failed": failed, "vlm_parse_failed": unparsed, "failed": both}
 
     def validate(self, prompts: list[str], metadata: list[dict]) -> None:
         """The server must be up and serve the model."""

@@ -16,6 +16,7 @@ The API key is sent only in the Authorization header: it is kept out of repr, lo
 from __future__ import annotations
 
 import base64
+import http.client
 import importlib.util
 import io
 import json
@@ -145,7 +146,7 @@ class ChatClient:
         url = f"{self.base_url}/models"
         try:
             with self._open(url, None, timeout=min(self.timeout_s, 10.0)) as resp:
-                payload = json.loads(resp.read() or b"{}")
+                raw = resp.read()
         except urllib.error.HTTPError as e:
             if e.code in (401, 403):
                 raise UserError(f"VLM server {url} rejected the API key (HTTP {e.code}); set {ENV_API_KEYS[0]} or "
@@ -153,9 +154,14 @@ class ChatClient:
             hint = " (base_url is the API root and usually ends in /v1)" if e.code == 404 else ""
             raise UserError(f"VLM server health check GET {url} failed with HTTP {e.code}{hint}; "
                             f"fix reward.kwargs.base_url / {ENV_BASE_URL} or the server") from None
-        except (urllib.error.URLError, OSError, ValueError) as e:
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
             raise UserError(f"VLM server {url} is not reachable ({self._scrub(_reason(e))}); start it "
                             f"(scripts/serve_vlm_reward.sh) or fix reward.kwargs.base_url / {ENV_BASE_URL}") from None
+        try:
+            payload = json.loads(raw or b"{}")
+        except ValueError:
+            raise UserError(f"GET {url} did not return JSON; base_url must be the root of an OpenAI-compatible API "
+                            f"(usually ending in /v1)") from None
         data = payload.get("data") if isinstance(payload, dict) else None
         return [str(m.get("id")) for m in data or [] if isinstance(m, dict)]
 
@@ -180,7 +186,7 @@ class ChatClient:
                 error = f"HTTP {e.code}: {_snippet(e)}"
                 if e.code not in RETRY_STATUS:
                     return Reply(None, self._scrub(error), attempt + 1)
-            except (urllib.error.URLError, OSError) as e:  # refused, reset, DNS, socket timeout
+            except (urllib.error.URLError, OSError, http.client.HTTPException) as e:  # refused, reset, cut off, timeout
                 error = _reason(e)
             except (ValueError, KeyError, IndexError, TypeError) as e:  # 200 with a body that is not a chat reply
                 return Reply(None, self._scrub(f"malformed response: {type(e).__name__}: {e}"), attempt + 1)
@@ -195,6 +201,17 @@ class ChatClient:
         pool = self._executor()
         futures = [pool.submit(self.chat, c, max_tokens) for c in contents]
         return [f.result() for f in futures]
+
+    def ask(self, images, questions: list[str]) -> list[Reply]:
+        """One question about each image, concurrently; the PNG encoding runs in the pool threads too."""
+        if len(images) <= 1:
+            return [self._ask_one(im, q) for im, q in zip(images, questions)]
+        pool = self._executor()
+        futures = [pool.submit(self._ask_one, im, q) for im, q in zip(images, questions)]
+        return [f.result() for f in futures]
+
+    def _ask_one(self, image, question: str) -> Reply:
+        return self.chat(image_content(image, question))
 
     def close(self) -> None:
         with self._lock:
@@ -272,6 +289,9 @@ class VllmEngineClient:
                 raise
             except Exception as e:  # noqa: BLE001 — an engine fault fails this batch's samples, not the run
                 return [Reply(None, f"vllm engine: {type(e).__name__}: {e}") for _ in contents]
+
+    def ask(self, images, questions: list[str]) -> list[Reply]:
+        return self.chat_many([image_content(im, q) for im, q in zip(images, questions)])
 
     def close(self) -> None:
         pass

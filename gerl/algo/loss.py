@@ -14,6 +14,7 @@ def grpo_loss(
     mean: torch.Tensor | None = None,
     ref_mean: torch.Tensor | None = None,
     std: torch.Tensor | None = None,
+    ratio_cap: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate loss for one micro-batch of denoising transitions.
 
@@ -25,10 +26,13 @@ def grpo_loss(
         beta: KL weight; when > 0, `mean`, `ref_mean` (B, C, h, w) and `std` (B, 1, 1, 1) are needed. Both
             policies' transitions are Gaussians with the same std, so KL = ‖mean − ref_mean‖² / (2 std²),
             averaged over elements like the log-prob.
+        ratio_cap: if > 0, the ratio is truncated at this value before clipping (stale batches).
     Returns:
         (scalar loss, detached stats: policy_loss, kl, ratio, clipfrac, approx_kl)
     """
     ratio = torch.exp(log_prob - old_log_prob)
+    if ratio_cap > 0:  # truncated importance weight for stale (off-policy) batches
+        ratio = torch.clamp(ratio, max=ratio_cap)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
     policy_loss = torch.maximum(unclipped, clipped).mean()

@@ -55,7 +55,8 @@ def lr_lambda(schedule: str, warmup: int, total: int):
 
 class ActorWorker:
     def __init__(self, transformer, train: TrainConfig, model: ModelConfig, sampling: SamplingConfig,
-                 max_steps: int, images_per_step: int, seed: int):
+                 max_steps: int, images_per_step: int, seed: int, world: int = 1, grad_sync=None,
+                 ratio_cap: float = 0.0):
         self.transformer, self.cfg, self.sampling, self.seed = transformer, train, sampling, seed
         self.lora = model.lora
         if not model.lora:
@@ -64,8 +65,10 @@ class ActorWorker:
         self.params = [p for _, p in self.named_params]
         self.optimizer = torch.optim.AdamW(self.params, lr=train.learning_rate, betas=tuple(train.adam_betas),
                                            weight_decay=train.weight_decay, eps=train.adam_eps)
-        self.mini = train.mini_batch_size or images_per_step
-        total = max_steps * train.inner_epochs * (images_per_step // self.mini)
+        self.mini = (train.mini_batch_size or images_per_step) // world  # samples per optimizer step on this rank
+        self.grad_sync = grad_sync  # data parallel: averages gradients across ranks before each optimizer step
+        self.ratio_cap = ratio_cap
+        total = max_steps * train.inner_epochs * (images_per_step // (self.mini * world))
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(train.lr_schedule, train.warmup_steps, total))
         self.ema = EMA(self.params, train.ema_decay) if train.ema_decay > 0 else None
@@ -73,7 +76,7 @@ class ActorWorker:
         self.ref = None
         if train.beta > 0 and not model.lora:
             self.ref = copy.deepcopy(transformer).requires_grad_(False).eval()
-        self.version = 0  # optimizer steps taken so far: the policy version handed to rollouts
+        self.version = 0  # training steps (update calls) completed: the policy version handed to rollouts
 
     @contextmanager
     def _reference(self):
@@ -154,7 +157,7 @@ class ActorWorker:
                                 ref_mean = self._replay(ref, batch, idx, k).mean
                         device = out.log_prob.device
                         loss, stats = grpo_loss(out.log_prob, old[idx, k].to(device), advantages[idx].to(device),
-                                                cfg.clip_range, cfg.beta, out.mean, ref_mean, out.std)
+                                                cfg.clip_range, cfg.beta, out.mean, ref_mean, out.std, self.ratio_cap)
                         if not torch.isfinite(loss):
                             finite = False
                             continue
@@ -165,6 +168,8 @@ class ActorWorker:
                         for key, v in stats.items():
                             sums[key] = sums.get(key, 0.0) + float(v)
                         count += 1
+                if self.grad_sync is not None:
+                    finite = self.grad_sync(self.params, finite)
                 if cfg.max_grad_norm > 0:
                     gn = torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm)
                 else:
@@ -179,8 +184,8 @@ class ActorWorker:
                 self.lr_scheduler.step()
                 if self.ema is not None:
                     self.ema.update()
-                self.version += 1
                 stepped = True
+        self.version += 1
         metrics.update({k: v / max(count, 1) for k, v in sums.items()})
         metrics.update({
             "ratio_max_dev_before_update": max_dev,

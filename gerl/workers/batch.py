@@ -43,3 +43,24 @@ def subset(batch: RolloutBatch, keep: torch.Tensor) -> RolloutBatch:
         rewards=None if batch.rewards is None else batch.rewards[idx],
         reward_extras={k: pick(v) for k, v in batch.reward_extras.items()}, timings=batch.timings,
     )
+
+
+def merge(shards: list[RolloutBatch]) -> RolloutBatch:
+    """Concatenate the shards of one step (in rollout-rank order) into the step's batch."""
+    if len(shards) == 1:
+        return shards[0]
+    first = shards[0]
+    spans = [dict(sp, shard=i) for i, b in enumerate(shards) for sp in b.spans]
+    timings = {k: max(b.timings.get(k, 0.0) for b in shards) for k in first.timings}  # shards run in parallel
+    extras: dict[str, list] = {}
+    for b in shards:
+        for k, v in b.reward_extras.items():
+            extras.setdefault(k, []).extend(v)
+    return RolloutBatch(
+        prompts=[p for b in shards for p in b.prompts], metadata=[m for b in shards for m in b.metadata],
+        group_ids=torch.cat([b.group_ids for b in shards]), embeds=Embeds.cat([b.embeds for b in shards]),
+        schedule=first.schedule, traj=Trajectory.cat([b.traj for b in shards]),
+        images=[im for b in shards for im in b.images], policy_version=min(b.policy_version for b in shards),
+        rewards=None if first.rewards is None else torch.cat([b.rewards for b in shards]),
+        reward_extras=extras, timings=timings, spans=spans,
+    )

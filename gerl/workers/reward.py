@@ -216,7 +216,10 @@ class RewardSet:
             results = [mb[i] for mb in per_mb]
             scores = [s for r in results for s in r.scores]
             raw.append(torch.tensor([math.nan if s is None else float(s) for s in scores], dtype=torch.float64))
-            failed_by.append(torch.tensor([f for r in results for f in r.failed], dtype=torch.bool))
+            # A reward can flag individual samples as failed (e.g. one HTTP request of a batch) with extras["failed"].
+            flagged = [bool(f) or bool(x) for r in results
+                       for f, x in zip(r.failed, r.extras.get("failed", [0] * len(r.failed)))]
+            failed_by.append(torch.tensor(flagged, dtype=torch.bool))
             for j, r in enumerate(results):
                 if r.end > 0:
                     spans.append({"lane": f"reward/{name}/{r.worker}", "name": f"{name} mb{j}", "start": r.start, "end": r.end})
@@ -264,3 +267,21 @@ def _unique_names(names: list[str]) -> list[str]:
         seen[n] = seen.get(n, 0) + 1
         out.append(n if seen[n] == 1 else f"{n}_{seen[n]}")
     return out
+
+
+def merge_results(results: list[RewardResult], lanes: list[str]) -> RewardResult:
+    """Concatenate per-shard reward results of one step; each shard's reward lanes are prefixed by its worker."""
+    if len(results) == 1:
+        return results[0]
+    cat = lambda xs: torch.cat(xs)  # noqa: E731
+    extras: dict[str, list] = {}
+    for r in results:
+        for k, v in r.extras.items():
+            extras.setdefault(k, []).extend(v)
+    counts = {k: sum(r.counts.get(k, 0) for r in results) for k in results[0].counts}
+    spans = [dict(sp, lane=f"{lane}/{sp['lane']}") for r, lane in zip(results, lanes) for sp in r.spans]
+    return RewardResult(
+        cat([r.total for r in results]), cat([r.failed for r in results]), cat([r.not_applicable for r in results]),
+        {n: cat([r.components[n] for r in results]) for n in results[0].components}, extras,
+        max(r.wait_s for r in results), sum(r.compute_s for r in results), counts, spans,
+    )

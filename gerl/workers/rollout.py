@@ -51,9 +51,10 @@ class RolloutWorker:
         return self.pipe.transformer.device
 
     def generate(self, prompts: list[str], metadata: list[dict], group_ids: torch.Tensor, step: int,
-                 submit=None) -> RolloutBatch:
+                 submit=None, index_offset: int = 0) -> RolloutBatch:
         """Sample one step's batch. `submit(images, prompts, metadata) -> Future` is called per decoded micro-batch
-        (reward futures); when None, rewards are left to the caller."""
+        (reward futures); when None, rewards are left to the caller. `index_offset` is this shard's first sample
+        index in the whole step, so noise seeds (and images) do not depend on how the step is sharded."""
         cfg, sched = self.cfg, self.train_schedule
         window_rng = torch.Generator().manual_seed(sample_seed(self.seed, step, -1))
         sde_steps = sde_window(sched.num_steps, cfg.sde_window_size, tuple(cfg.sde_window_range), window_rng)
@@ -65,7 +66,7 @@ class RolloutWorker:
             sl = slice(start, start + cfg.micro_batch_size)
             t0 = time.perf_counter()
             embeds = self.embedder(prompts[sl], with_negative=guided)
-            seeds = [sample_seed(self.seed, step, i) for i in range(sl.start, min(sl.stop, len(prompts)))]
+            seeds = [sample_seed(self.seed, step, index_offset + i) for i in range(sl.start, min(sl.stop, len(prompts)))]
             noise, gens = latent_noise(seeds, self.latent_shape)
             traj = denoise(self.pipe.transformer, embeds, noise.to(self.device), sched, sde_steps, cfg.sampler,
                            cfg.noise_level, cfg.guidance_scale, gens)

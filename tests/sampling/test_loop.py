@@ -67,8 +67,12 @@ def test_sde_window_zero_is_every_step_but_the_last():
 
 
 def test_sde_window_is_seeded():
-    draw = lambda seed: [sde_window(10, 2, (0, 9), torch.Generator().manual_seed(seed)) for _ in range(1)]  # noqa: E731
-    assert draw(3) == draw(3)
+    def draws(seed):
+        rng = torch.Generator().manual_seed(seed)
+        return [sde_window(10, 2, (0, 9), rng) for _ in range(20)]
+
+    assert draws(3) == draws(3)
+    assert draws(3) != draws(4)
 
 
 # ------------------------------------------------------------------ the ODE path = the stock pipeline

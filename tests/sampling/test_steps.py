@@ -43,6 +43,10 @@ def test_shapes_and_fp32_outputs(sampler, dtype):
     # Scoring a bf16 recorded sample also comes back fp32.
     scored = step(sampler, v, x, 0.8, 0.6, prev_sample=out.prev_sample.to(dtype))
     assert scored.log_prob.dtype == torch.float32
+    # The math itself is fp32: low-precision inputs give exactly what their fp32 upcast gives.
+    upcast = step(sampler, v.float(), x.float(), 0.8, 0.6, generator=gen(0))
+    for a, b in zip(out, upcast):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("sampler", SAMPLERS)

@@ -1,0 +1,356 @@
+"""Ray placement: actor and rollout roles as Ray actors on resource pools.
+
+hybrid=true : N hosts, each holding both roles on one shared model (generation is sharded over the hosts, training
+              is data-parallel across them; weights never move).
+hybrid=false: N actor hosts (data-parallel training) + M rollout hosts (sharded generation). After each update the
+              actor's trained tensors (the adapter only, for LoRA) go to every rollout: through the object store
+              (non-blocking) or a bucketed torch.distributed broadcast from actor rank 0.
+
+Works on GPUs (one per host) and on CPU for tests (cpus_per_worker cores pinned per host). A dead rollout host is
+replaced and its in-flight shards re-issued; a dead actor host stops the run with the last checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from gerl.errors import RunAborted, UserError
+from gerl.workers.batch import merge
+from gerl.workers.reward import merge_results
+
+
+class Host:
+    """One Ray actor process: builds the roles it is given (the same classes the local engine uses)."""
+
+    def __init__(self, cfg, roles: tuple[str, ...], rank: int, world: int, actor_world: int, cores, dist_addr,
+                 sync_ranks: list[int] | None):
+        from gerl.cli import _quiet_libraries
+
+        _quiet_libraries()
+        from gerl.engine.roles import ActorRole, RolloutRole, build_pipeline, pin_cpus
+
+        pin_cpus(cores)
+        self.rank, self.world = rank, world
+        self.dp_group = self.sync_group = None
+        if world > 1:
+            import torch.distributed as dist
+
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            dist.init_process_group(backend, init_method=f"tcp://{dist_addr}", rank=rank, world_size=world)
+            # Every process creates every group, in the same order (a torch.distributed rule).
+            self.dp_group = dist.new_group(list(range(actor_world))) if actor_world > 1 else None
+            self.sync_group = dist.new_group(sync_ranks) if sync_ranks else None
+        pipe = build_pipeline(cfg)
+        self.rollout = RolloutRole(cfg, pipe) if "rollout" in roles else None
+        grad_sync = self._grad_sync if self.dp_group is not None else None
+        self.actor = ActorRole(cfg, pipe, rank, actor_world, grad_sync=grad_sync) if "actor" in roles else None
+
+    def _grad_sync(self, params, finite: bool) -> bool:
+        """Average gradients over the data-parallel ranks; all skip the step if any rank saw a non-finite loss."""
+        import torch.distributed as dist
+
+        flag = torch.tensor([0.0 if finite else 1.0])
+        dist.all_reduce(flag, group=self.dp_group)
+        n = dist.get_world_size(self.dp_group)
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, group=self.dp_group)
+            p.grad /= n
+        return bool(flag.item() == 0)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    # rollout role
+    def generate(self, prompts, metadata, group_ids, step, offset):
+        return self.rollout.generate(prompts, metadata, group_ids, step, offset)
+
+    def validate(self, prompts, metadata, weights=None):
+        if weights is None:
+            return self.rollout.validate(prompts, metadata)
+        current = self.rollout.weights()
+        self.rollout.load_weights(weights, self.rollout.version)
+        try:
+            return self.rollout.validate(prompts, metadata)
+        finally:
+            self.rollout.load_weights(current, self.rollout.version)
+
+    def load_weights(self, state, version) -> float:
+        t0 = time.perf_counter()
+        self.rollout.load_weights(state, version)
+        return time.perf_counter() - t0
+
+    def rollout_weights(self):
+        return self.rollout.weights()
+
+    def recv_broadcast(self, version, bucket_mb) -> float:
+        t0 = time.perf_counter()
+        params = dict(self.rollout.pipe.transformer.named_parameters())
+        _broadcast([params[n] for n in self.rollout.names], self.sync_group, bucket_mb, src=0, receive=True)
+        self.rollout.worker.policy_version = version
+        return time.perf_counter() - t0
+
+    # actor role
+    def update(self, batch, advantages, step):
+        t0 = time.time()
+        m = self.actor.update(batch, advantages, step)
+        m["_span"] = {"name": "train", "start": t0, "end": time.time()}
+        if self.rollout is not None:  # hybrid: the colocated rollout uses these very weights
+            self.rollout.worker.policy_version = self.actor.version
+        return m
+
+    def actor_weights(self, ema: bool = False):
+        if ema and self.actor.worker.ema is not None:
+            return {n: s.float().cpu() for (n, _), s in zip(self.actor.worker.named_params, self.actor.worker.ema.shadow)}
+        return self.actor.weights()
+
+    def send_broadcast(self, bucket_mb) -> float:
+        t0 = time.perf_counter()
+        _broadcast(self.actor.worker.params, self.sync_group, bucket_mb, src=0, receive=False)
+        return time.perf_counter() - t0
+
+    def actor_version(self) -> int:
+        return self.actor.version
+
+    def save(self, run_dir, step, extra, keep_last):
+        self.actor.save(run_dir, step, extra, keep_last)
+
+    def load(self, path):
+        state = self.actor.load(Path(path))
+        if self.rollout is not None:
+            self.rollout.worker.policy_version = self.actor.version
+        return state
+
+    def close(self):
+        if self.rollout is not None:
+            self.rollout.close()
+
+
+@torch.no_grad()
+def _broadcast(params: list[torch.Tensor], group, bucket_mb: int, src: int, receive: bool) -> None:
+    """Broadcast tensors from `src` in flat fp32 buckets of ≤ bucket_mb; receivers copy each bucket as it lands."""
+    import torch.distributed as dist
+
+    limit = max(1, bucket_mb * 2**20 // 4)
+    bucket: list[torch.Tensor] = []
+
+    def flush():
+        if not bucket:
+            return
+        flat = torch.cat([p.detach().float().flatten().cpu() for p in bucket])
+        dist.broadcast(flat, src=src, group=group)
+        if receive:
+            off = 0
+            for p in bucket:
+                p.copy_(flat[off:off + p.numel()].view_as(p).to(p.device, p.dtype))
+                off += p.numel()
+        bucket.clear()
+
+    size = 0
+    for p in params:
+        if size + p.numel() > limit:
+            flush()
+            size = 0
+        bucket.append(p)
+        size += p.numel()
+    flush()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RayEngine:
+    def __init__(self, cfg):
+        try:
+            import ray
+        except ImportError:
+            raise UserError("engine.kind=ray needs Ray: pip install 'gerl[ray]'") from None
+        self.ray, self.cfg = ray, cfg
+        g = cfg.engine
+        if not ray.is_initialized():
+            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+            # Workers import gerl, rewards and user reward modules from the driver's working directory.
+            os.environ["PYTHONPATH"] = os.pathsep.join([os.getcwd(), *sys.path[1:3], os.environ.get("PYTHONPATH", "")])
+            kwargs = {"include_dashboard": False, "log_to_driver": True}
+            if g.ray_address:
+                ray.init(address=g.ray_address, **kwargs)
+            else:
+                ray.init(num_cpus=os.cpu_count(), **kwargs)
+        self.use_gpu = g.device == "cuda" or (g.device == "auto" and torch.cuda.is_available())
+        self.hybrid = g.hybrid
+        n_actor, n_roll = g.actor_workers, g.rollout_workers
+        hosts = n_actor if g.hybrid else n_actor + n_roll
+        self._check_resources(hosts)
+        self.devices = hosts
+        self.actor_devices, self.rollout_devices = n_actor, (n_actor if g.hybrid else n_roll)
+        lora = cfg.model.lora
+        self.sync_mode = g.weight_sync if g.weight_sync != "auto" else ("object_store" if lora else "broadcast")
+        broadcast = not g.hybrid and self.sync_mode == "broadcast"
+        # One process group: actor ranks 0..N-1 (data parallel), plus the rollouts when weights are broadcast.
+        world = n_actor + n_roll if broadcast else n_actor
+        sync_ranks = [0] + list(range(n_actor, n_actor + n_roll)) if broadcast else None
+        addr = f"127.0.0.1:{_free_port()}"  # single-node rendezvous (multi-node: see docs/architecture.md)
+        c = g.cpus_per_worker
+        self._opts = {"num_gpus": 1} if self.use_gpu else {"num_cpus": c}
+        self._host_cls = ray.remote(Host)
+        self._spec: dict[int, tuple] = {}
+
+        def spawn(i, roles, rank, world_size):
+            cores = None if self.use_gpu else list(range(i * c, (i + 1) * c))
+            self._spec[i] = (cfg, roles, rank, world_size, n_actor, cores, addr, sync_ranks if world_size > 1 else None)
+            return self._host_cls.options(**self._opts).remote(*self._spec[i])
+
+        if g.hybrid:
+            self.actors = [spawn(i, ("actor", "rollout"), i, world) for i in range(n_actor)]
+            self.rollouts = self.actors
+        else:
+            self.actors = [spawn(i, ("actor",), i, world) for i in range(n_actor)]
+            self.rollouts = [spawn(n_actor + j, ("rollout",), n_actor + j if broadcast else 0, world if broadcast else 1)
+                             for j in range(n_roll)]
+        self.hosts = self.actors if g.hybrid else self.actors + self.rollouts
+        try:
+            ray.get([h.pid.remote() for h in self.hosts])
+        except ray.exceptions.RayActorError as e:
+            raise UserError(f"a Ray worker failed to start ({str(e).splitlines()[0][:200]}); run with --debug") from None
+        self.restarts = 0
+        self._version = 0
+        self._pending_loads: list = []
+        self.sync()  # rollouts start from the actor's exact weights
+
+    def _check_resources(self, hosts: int) -> None:
+        res = self.ray.cluster_resources()
+        g = self.cfg.engine
+        if self.use_gpu:
+            have, need, what = int(res.get("GPU", 0)), hosts, "GPUs"
+        else:
+            have, need, what = int(res.get("CPU", 0)), hosts * g.cpus_per_worker, "CPUs"
+        if need > have:
+            layout = (f"{g.actor_workers} colocated" if g.hybrid else f"{g.actor_workers} actor + {g.rollout_workers} rollout")
+            per = "" if self.use_gpu else f" × {g.cpus_per_worker} cpus_per_worker"
+            raise UserError(f"engine asks for {need} {what} ({layout} workers{per}) but the Ray cluster has {have}; "
+                            "lower engine.actor_workers/rollout_workers/cpus_per_worker or add nodes")
+
+    @property
+    def actor_version(self) -> int:
+        return self._version
+
+    # ---------------------------------------------------------------- generation
+    def _shards(self, prompts, metadata, group_ids):
+        m, n = len(self.rollouts), len(prompts)
+        size = n // m
+        return [(prompts[j * size:(j + 1) * size], metadata[j * size:(j + 1) * size],
+                 group_ids[j * size:(j + 1) * size], j * size) for j in range(m)]
+
+    def submit(self, step, prompts, metadata, group_ids):
+        shards = self._shards(prompts, metadata, group_ids)
+        refs = [h.generate.remote(*s[:3], step, s[3]) for h, s in zip(self.rollouts, shards)]
+        return {"step": step, "shards": shards, "refs": refs, "hosts": list(self.rollouts)}
+
+    def collect(self, handle):
+        ray = self.ray
+        out = []
+        for j, ref in enumerate(handle["refs"]):
+            for attempt in range(self.cfg.engine.max_rollout_restarts + 1):
+                try:
+                    out.append(ray.get(ref))
+                    break
+                except ray.exceptions.RayActorError:
+                    if attempt == self.cfg.engine.max_rollout_restarts:
+                        raise RunAborted(f"rollout worker {j} died {attempt + 1} times at step {handle['step']}; "
+                                         "check its logs (out of memory? a crashing reward?)") from None
+                    self._replace_rollout(j, handle["hosts"][j])
+                    s = handle["shards"][j]
+                    ref = self.rollouts[j].generate.remote(*s[:3], handle["step"], s[3])
+                    handle["hosts"][j] = self.rollouts[j]
+        batches, results = zip(*out)
+        return merge(list(batches)), merge_results(list(results), [f"rollout{j}" for j in range(len(results))])
+
+    def _replace_rollout(self, j: int, dead) -> None:
+        """Start a fresh rollout host j (unless another shard already did) and give it the current weights."""
+        if self.rollouts[j] is not dead:
+            return
+        if self.hybrid or self.sync_mode == "broadcast":
+            raise RunAborted(f"rollout worker {j} died; replacing it is supported with engine.hybrid=false and "
+                             "engine.weight_sync=object_store (a broadcast group cannot take a new member)")
+        idx = self.cfg.engine.actor_workers + j
+        self.rollouts[j] = self._host_cls.options(**self._opts).remote(*self._spec[idx])
+        self.hosts = self.actors + self.rollouts
+        self.ray.get(self.rollouts[j].load_weights.remote(self.actors[0].actor_weights.remote(), self._version))
+        self.restarts += 1
+
+    # ---------------------------------------------------------------- training
+    def update(self, batch, advantages, step: int) -> dict:
+        """Data parallel: rank r trains on the r-th contiguous slice of the batch (equal sizes)."""
+        n = len(self.actors)
+        size = len(batch) // n
+        from gerl.workers.batch import subset
+
+        refs = []
+        for r, h in enumerate(self.actors):
+            keep = torch.zeros(len(batch), dtype=torch.bool)
+            keep[r * size:(r + 1) * size if r < n - 1 else len(batch)] = True
+            part = batch if n == 1 else subset(batch, keep)
+            refs.append(h.update.remote(part, advantages[keep] if n > 1 else advantages, step))
+        try:
+            results = self.ray.get(refs)
+        except self.ray.exceptions.RayActorError:
+            raise RunAborted(f"an actor (training) worker died at step {step}; the last checkpoint in "
+                             f"{self.cfg.output_dir}/checkpoints is intact — fix the cause and rerun with resume=true") from None
+        self._version += 1
+        m = results[0]
+        m["_spans"] = [dict(r.pop("_span"), lane=f"actor{i}") for i, r in enumerate(results)]
+        return m
+
+    def sync(self) -> float:
+        """Actor → rollouts. Hybrid: nothing moves. Object store: non-blocking (queued behind in-flight generation).
+        Broadcast: bucketed collective, measured end to end."""
+        if self.hybrid:
+            return 0.0
+        t0 = time.perf_counter()
+        if self.sync_mode == "object_store":
+            weights = self.actors[0].actor_weights.remote()
+            self.ray.wait([weights])
+            self._pending_loads = [h.load_weights.remote(weights, self._version) for h in self.rollouts]
+        else:
+            bucket = self.cfg.engine.sync_bucket_mb
+            refs = [self.actors[0].send_broadcast.remote(bucket)] + [
+                h.recv_broadcast.remote(self._version, bucket) for h in self.rollouts]
+            self.ray.get(refs)
+        return time.perf_counter() - t0
+
+    def validate(self, prompts, metadata):
+        ema = self.actors[0].actor_weights.remote(ema=True) if self.cfg.train.ema_decay > 0 else None
+        return self.ray.get(self.rollouts[0].validate.remote(prompts, metadata, ema))
+
+    def weights_equal(self) -> bool:
+        """Test hook: every rollout's trained tensors equal the actor's exactly (waits for pending syncs)."""
+        self.ray.get(self._pending_loads)
+        a = self.ray.get(self.actors[0].actor_weights.remote())
+        return all(all(torch.equal(a[k], w[k]) for k in a) for w in self.ray.get([h.rollout_weights.remote() for h in self.rollouts]))
+
+    def save(self, run_dir, step, extra, keep_last) -> None:
+        self.ray.get(self.actors[0].save.remote(run_dir, step, extra, keep_last))
+
+    def load(self, path) -> dict:
+        states = self.ray.get([h.load.remote(str(path)) for h in self.actors])
+        self._version = states[0]["policy_version"]
+        self.sync()
+        return states[0]
+
+    def close(self) -> None:
+        try:
+            self.ray.get([h.close.remote() for h in self.hosts], timeout=30)
+        except Exception:  # noqa: BLE001 — shutting down; a dead host has nothing left to close
+            pass
+        for h in self.hosts:
+            self.ray.kill(h)

@@ -1,0 +1,151 @@
+"""The two roles a device can play, built from the config. Plain classes: the local engine instantiates them in
+this process (sharing one model), the Ray engine wraps the *same* classes as Ray actors.
+
+RolloutRole = RolloutWorker (generation) + RewardSet (reward futures per micro-batch), so reward calls are
+submitted right where the images are decoded. ActorRole = ActorWorker (the update) + checkpointing + weights.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from gerl.checkpoint import load_checkpoint, save_checkpoint
+from gerl.config import Config, reward_components, trained_steps_per_sample, derived_sizes
+from gerl.models.loader import TextEmbedder, add_lora, load_pipeline, lora_file
+from gerl.workers.actor import ActorWorker
+from gerl.workers.reward import RewardResult, RewardSet
+from gerl.workers.rollout import RolloutWorker
+from rewards.registry import build_reward
+
+
+def pin_cpus(cores: list[int] | None) -> None:
+    """Restrict this process (and torch's thread pool) to `cores`: each role gets its own share of a CPU box."""
+    if not cores:
+        return
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, set(cores))
+    torch.set_num_threads(len(cores))
+
+
+def build_pipeline(cfg: Config, device: str | None = None):
+    """The SD3 pipeline with the configured adapter attached (fresh, or cfg.model.init_lora)."""
+    pipe = load_pipeline(cfg.model.path, cfg.model.dtype, device or cfg.model.device, cfg.model.tiny_seed)
+    if cfg.model.lora:
+        if cfg.model.init_lora:
+            f = lora_file(cfg.model.init_lora)
+            pipe.load_lora_weights(str(f.parent), weight_name=f.name, adapter_name="default")
+            for name, p in pipe.transformer.named_parameters():
+                if "lora_" in name:  # loaded adapters come frozen; they are what we train
+                    p.data = p.data.float()
+                    p.requires_grad_(True)
+        else:
+            add_lora(pipe.transformer, cfg.model.lora_rank, cfg.model.lora_alpha, cfg.model.lora_targets)
+    return pipe
+
+
+def trainable_names(transformer, lora: bool) -> list[str]:
+    return [n for n, p in transformer.named_parameters() if (("lora_" in n) if lora else True)]
+
+
+class RolloutRole:
+    """Generation + rewards on one device. `generate` returns a rewarded batch (futures already gathered)."""
+
+    def __init__(self, cfg: Config, pipe=None, reward_fns=None, rank: int = 0, cores: list[int] | None = None,
+                 device: str | None = None):
+        pin_cpus(cores)
+        self.cfg, self.rank = cfg, rank
+        self.pipe = pipe if pipe is not None else build_pipeline(cfg, device)
+        self.embedder = TextEmbedder(self.pipe, cfg.model.max_sequence_length, cfg.model.text_cache_size)
+        self.worker = RolloutWorker(self.pipe, self.embedder, cfg.sampling, cfg.model.resolution, cfg.seed)
+        comps = reward_components(cfg.reward)
+        fns = reward_fns if reward_fns is not None else [build_reward(c.name, c.kwargs) for c in comps]
+        r = cfg.reward
+        self.rewards = RewardSet(comps, fns, r.timeout_s, r.retries, r.retry_backoff_s)
+        self.names = trainable_names(self.pipe.transformer, cfg.model.lora)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    @property
+    def version(self) -> int:
+        return self.worker.policy_version
+
+    def generate(self, prompts, metadata, group_ids, step: int, index_offset: int = 0):
+        """One shard of a step: generate, submit each micro-batch's reward as it is decoded, gather at the end.
+
+        Returns (RolloutBatch with futures removed, RewardResult)."""
+        t0 = time.time()
+        submit = self.rewards.submit if self.cfg.reward.with_reward else None
+        batch = self.worker.generate(prompts, metadata, group_ids, step, submit=submit, index_offset=index_offset)
+        t1 = time.time()
+        if batch.reward_futures:
+            res = self.rewards.gather([f for _, f in batch.reward_futures])
+        else:
+            res = self.rewards.score_now(batch.images, batch.prompts, batch.metadata, self.cfg.sampling.micro_batch_size)
+        batch.reward_futures = []
+        batch.rewards, batch.reward_extras = res.total, res.extras
+        batch.timings.update(reward_wait_s=res.wait_s, reward_compute_s=res.compute_s)
+        batch.spans.append({"name": "wait_reward", "start": t1, "end": time.time()})
+        batch.timings["rollout_s"] = time.time() - t0
+        return batch, res
+
+    def validate(self, prompts, metadata) -> tuple[list, RewardResult]:
+        cfg = self.cfg
+        images = self.worker.sample_images(prompts, cfg.validation.seed, cfg.sampling.eval_num_steps,
+                                           cfg.sampling.eval_guidance_scale)
+        return images, self.rewards.score_now(images, prompts, metadata, cfg.sampling.micro_batch_size)
+
+    @torch.no_grad()
+    def load_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
+        """Take the actor's trained tensors (adapter only for LoRA) and the policy version they carry."""
+        params = dict(self.pipe.transformer.named_parameters())
+        for n, t in state.items():
+            params[n].copy_(t.to(params[n].device, params[n].dtype))
+        self.worker.policy_version = version
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        params = dict(self.pipe.transformer.named_parameters())
+        return {n: params[n].detach().float().cpu() for n in self.names}
+
+    def close(self) -> None:
+        self.rewards.close()
+
+
+class ActorRole:
+    """The policy update on one device (one data-parallel rank), plus checkpoints and weight export."""
+
+    def __init__(self, cfg: Config, pipe=None, rank: int = 0, world: int = 1, cores: list[int] | None = None,
+                 device: str | None = None, grad_sync=None):
+        pin_cpus(cores)
+        self.cfg, self.rank, self.world = cfg, rank, world
+        self.pipe = pipe if pipe is not None else build_pipeline(cfg, device)
+        sizes = derived_sizes(cfg, trained_steps_per_sample(cfg))
+        self.worker = ActorWorker(self.pipe.transformer, cfg.train, cfg.model, cfg.sampling, cfg.max_steps,
+                                  sizes["images_per_step"], cfg.seed, world=world, grad_sync=grad_sync,
+                                  ratio_cap=cfg.engine.ratio_cap)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    @property
+    def version(self) -> int:
+        return self.worker.version
+
+    def update(self, batch, advantages, step: int) -> dict:
+        return self.worker.update(batch, advantages, step)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return self.worker.trainable_state()
+
+    def save(self, run_dir, step: int, extra_state: dict, keep_last: int) -> None:
+        if self.rank == 0:
+            save_checkpoint(run_dir, step, self.worker, extra_state, keep_last)
+
+    def load(self, path) -> dict:
+        return load_checkpoint(path, self.worker)
+
+    def ema_swapped(self):
+        return self.worker.ema.swapped() if self.worker.ema is not None else None
