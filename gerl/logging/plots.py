@@ -84,23 +84,26 @@ def grid_tiles(grid: Image.Image, num_images: int, count: int) -> list[Image.Ima
             for i in range(min(count, num_images))]
 
 
-def sample_matrix(rows: list[tuple[int, list[Image.Image]]], path: Path, title: str) -> Path:
-    """Validation samples laid out steps (rows) × prompts (columns): rows = [(step, [tile per prompt])]."""
+def sample_matrix(rows: list[tuple[int, list[Image.Image]]], path: Path, title: str, tile: int = 160) -> Path:
+    """Validation samples laid out steps (rows) × prompts (columns): rows = [(step, [tile per prompt])]. Tiles are
+    resized to `tile` px (nearest neighbour for small images, so tiny-model pixels stay visible)."""
+    from PIL import ImageDraw
+
     n_cols = max(len(tiles) for _, tiles in rows)
-    fig = _figure(1.6 * n_cols + 0.6, 1.6 * len(rows) + 0.5)
+    left, top, pad = 70, 40, 4
+    sheet = Image.new("RGB", (left + n_cols * (tile + pad), top + len(rows) * (tile + pad)), "white")
+    draw = ImageDraw.Draw(sheet)
+    draw.text((4, 4), title, fill="black")
+    for c in range(n_cols):
+        draw.text((left + c * (tile + pad) + 4, top - 14), f"prompt {c}", fill="black")
     for r, (step, tiles) in enumerate(rows):
-        for c in range(n_cols):
-            ax = fig.add_subplot(len(rows), n_cols, r * n_cols + c + 1)
-            ax.set_xticks([])
-            ax.set_yticks([])
-            if c < len(tiles):
-                ax.imshow(tiles[c])
-            if c == 0:
-                ax.set_ylabel(f"step {step}", fontsize=8)
-            if r == 0:
-                ax.set_title(f"prompt {c}", fontsize=8)
-    fig.suptitle(title, fontsize=9)
-    return _save(fig, path)
+        y = top + r * (tile + pad)
+        draw.text((4, y + tile // 2 - 6), f"step {step}", fill="black")
+        for c, im in enumerate(tiles):
+            resample = Image.NEAREST if im.width < tile else Image.LANCZOS
+            sheet.paste(im.convert("RGB").resize((tile, tile), resample), (left + c * (tile + pad), y))
+    sheet.save(path, format="PNG")
+    return path
 
 
 def stage_of(span: dict) -> str:
@@ -113,8 +116,9 @@ def stage_of(span: dict) -> str:
 
 
 def lane_order(lanes: set[str]) -> list[str]:
-    """trainer, then rollout lanes, then reward lanes, then anything else, each group sorted."""
-    rank = lambda ln: (0 if ln == "trainer" else 1 if ln.startswith("rollout") else 2 if ln.startswith("reward") else 3, ln)  # noqa: E731
+    """trainer, then actor, rollout and reward lanes, then anything else; sorted within each group."""
+    order = ("trainer", "actor", "rollout", "reward")
+    rank = lambda ln: (next((i for i, p in enumerate(order) if ln.startswith(p)), len(order)), ln)  # noqa: E731
     return sorted(lanes, key=rank)
 
 
@@ -123,6 +127,7 @@ def gantt(spans: list[dict], path: Path, title: str) -> Path:
     them (thinner), coloured by stage; x = seconds from the first span's start; dotted lines at step starts."""
     lanes = lane_order({s["lane"] for s in spans})
     t0 = min(s["start"] for s in spans)
+    min_w = 0.003 * (max(s["end"] for s in spans) - t0)  # a 2 ms reward call stays visible on a 20 s axis
     fig = _figure(10, 0.55 * len(lanes) + 1.6)
     ax = fig.add_subplot()
     colours = dict(STAGE_COLOURS)
@@ -132,7 +137,7 @@ def gantt(spans: list[dict], path: Path, title: str) -> Path:
             colours[stage] = _EXTRA_COLOURS[(len(colours) - len(STAGE_COLOURS)) % len(_EXTRA_COLOURS)]
         y = len(lanes) - 1 - lanes.index(s["lane"])
         height = 0.8 * (0.7 ** s["depth"])
-        ax.barh(y, s["end"] - s["start"], left=s["start"] - t0, height=height, color=colours[stage],
+        ax.barh(y, max(s["end"] - s["start"], min_w), left=s["start"] - t0, height=height, color=colours[stage],
                 edgecolor="black", linewidth=0.3)
     step_starts = {}
     for s in spans:

@@ -54,6 +54,19 @@ def test_clipping(log_ratio, adv, clipped):
     assert stats["clipfrac"].item() == (1.0 if abs(log_ratio) > 0.2 else 0.0)
 
 
+def test_ratio_cap_bounds_a_stale_ratio():
+    # A stale batch's ratio e (> 1 + ε) with A < 0 stays on the unclipped branch: the cap truncates it there.
+    old, adv = torch.tensor([-1.0]), torch.tensor([-1.0])
+    lp = (old + 1.0).requires_grad_(True)
+    loss, _ = grpo_loss(lp, old, adv, clip_range=0.2, ratio_cap=2.0)
+    loss.backward()
+    assert loss.item() == pytest.approx(2.0) and lp.grad.item() == 0
+    lp.grad = None
+    uncapped, _ = grpo_loss(lp, old, adv, clip_range=0.2)
+    uncapped.backward()
+    assert uncapped.item() == pytest.approx(torch.e) and lp.grad.item() == pytest.approx(torch.e)
+
+
 def test_kl_term_is_the_gaussian_kl_to_the_reference():
     g = torch.Generator().manual_seed(0)
     mean = torch.randn(3, 4, 5, 5, generator=g, requires_grad=True)

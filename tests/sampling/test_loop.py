@@ -208,5 +208,7 @@ def test_actor_first_update_sees_ratio_one(make_rollout, lora_transformer, sampl
     metrics = actor.update(batch, adv, step=1)
     assert metrics["old_log_prob_recompute_max_dev"] <= 1e-5
     assert metrics["ratio_max_dev_before_update"] <= 1e-5
-    assert metrics["nonfinite_updates_skipped"] == 0 and actor.version == 2
+    assert metrics["nonfinite_updates_skipped"] == 0
+    assert int(actor.optimizer.state[actor.params[0]]["step"]) == 2, "one optimizer step per inner epoch"
+    assert actor.version == 1, "the policy version counts update calls"
     assert metrics["trained_steps_per_sample"] == (NUM_STEPS - 1 if fraction == 1 else 2)

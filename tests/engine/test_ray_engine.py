@@ -1,0 +1,113 @@
+"""The Ray engine with real Ray actors on CPU: one-step-off lag, exact weight sync, staleness bound, validation
+pausing generation, a killed rollout worker replaced, resume, hybrid placement, and mis-placement errors."""
+
+import json
+import os
+
+import pytest
+
+ray = pytest.importorskip("ray")  # a dev dependency: installed by scripts/setup.sh
+
+from gerl.errors import UserError  # noqa: E402
+from gerl.trainer import Trainer, prepare, train  # noqa: E402
+from tests.train.helpers import small_config  # noqa: E402
+
+DECOUPLED = ["engine.kind=ray", "engine.hybrid=false", "engine.device=cpu", "engine.cpus_per_worker=1",
+             "engine.schedule=async", "engine.max_staleness=1"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster():
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def _rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _train_checking_sync(cfg):
+    """Run training; after every weight sync, check that each rollout's tensors equal the actor's exactly."""
+    trainer = Trainer(cfg, prepare(cfg))
+    engine, checks = trainer.engine, []
+    real_sync = engine.sync
+
+    def sync():
+        seconds = real_sync()
+        checks.append(engine.weights_equal())
+        return seconds
+
+    engine.sync = sync
+    trainer.fit()
+    return checks
+
+
+@pytest.mark.parametrize("mode", ["lora", "full"])
+def test_one_step_off_lag_and_exact_weight_sync(tmp_path, mode):
+    extra = ["model.lora=false", "train.learning_rate=1e-4"] if mode == "full" else []
+    cfg = small_config(tmp_path, "max_steps=4", *DECOUPLED, *extra)
+    checks = _train_checking_sync(cfg)
+    rows = _rows(tmp_path)
+    assert [r["policy_lag"] for r in rows] == [0, 1, 1, 1]  # the first batch is on-policy; then one step behind
+    assert [r["policy_version"] for r in rows] == [0, 0, 1, 2]
+    assert checks and all(checks), "after each sync every rollout holds the actor's exact weights"
+    assert all(r["sync_s"] >= 0 for r in rows)
+
+
+def test_staleness_bound_under_a_slow_actor(tmp_path):
+    # three inner epochs make training slower than generation, so the rollout would run ahead if it could
+    cfg = small_config(tmp_path, "max_steps=5", *DECOUPLED, "engine.max_staleness=2", "train.inner_epochs=3")
+    train(cfg)
+    lags = [r["policy_lag"] for r in _rows(tmp_path)]
+    assert max(lags) <= 2 and lags == [0, 1, 2, 2, 2]
+
+
+def test_validation_pauses_generation_then_resumes(tmp_path):
+    cfg = small_config(tmp_path, "max_steps=4", *DECOUPLED, "validation.every=2", "validation.num_prompts=2")
+    train(cfg)
+    rows = _rows(tmp_path)
+    assert [r["step"] for r in rows if "val_reward_mean" in r] == [0, 2, 4]
+    spans = [json.loads(line) for line in (tmp_path / "timeline.jsonl").read_text().splitlines()]
+    val = next(s for s in spans if s["lane"] == "trainer" and s["name"] == "validate" and s["step"] == 2)
+    # the batch for step 4 is issued only once validation at step 2 is over
+    gen4 = [s for s in spans if s["lane"].startswith("rollout") and s["step"] == 4 and s["name"].startswith("generate")]
+    assert gen4 and min(s["start"] for s in gen4) >= val["end"]
+    assert [r["policy_lag"] for r in rows if "policy_lag" in r] == [0, 1, 1, 1]
+
+
+def test_killed_rollout_worker_is_replaced_and_the_run_completes(tmp_path):
+    marker = tmp_path / "killed"
+    cfg = small_config(tmp_path / "run", "max_steps=4", *DECOUPLED, "reward.name=tests.engine.killer:KillOnce",
+                       f"reward.kwargs={{marker: {marker}, after_calls: 3}}")
+    train(cfg)
+    assert marker.exists(), "the reward must have killed its rollout worker"
+    rows = _rows(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]  # every step once: nothing lost, nothing double-counted
+    assert rows[-1]["rollout_restarts"] == 1
+    assert all(r["reward_mean"] < 0 for r in rows)
+
+
+def test_resume_mid_run(tmp_path):
+    train(small_config(tmp_path, "max_steps=2", "checkpoint.every=2", *DECOUPLED))
+    train(small_config(tmp_path, "max_steps=4", "checkpoint.every=2", "resume=true", *DECOUPLED))
+    rows = _rows(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["policy_version"] for r in rows][2:] == [2, 2]  # regenerated from the checkpoint's weights
+    assert (tmp_path / "checkpoints/step_000004/pytorch_lora_weights.safetensors").is_file()
+
+
+def test_hybrid_on_ray(tmp_path):
+    train(small_config(tmp_path, "max_steps=2", "engine.kind=ray", "engine.hybrid=true", "engine.device=cpu",
+                       "engine.cpus_per_worker=2"))
+    assert [r["policy_lag"] for r in _rows(tmp_path)] == [0, 0]
+
+
+def test_misplacement_names_the_numbers(tmp_path):
+    cfg = small_config(tmp_path, "max_steps=1", "engine.kind=ray", "engine.hybrid=false", "engine.device=cpu",
+                       "engine.actor_workers=2", "engine.rollout_workers=2", "engine.cpus_per_worker=1",
+                       "train.mini_batch_size=8", "data.prompts_per_step=2")
+    with pytest.raises(UserError, match=r"asks for 4 CPUs \(2 actor \+ 2 rollout workers × 1 cpus_per_worker\) but the Ray cluster has 2"):
+        train(cfg)
+    assert not (tmp_path / "metrics.jsonl").exists()
