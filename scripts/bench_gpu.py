@@ -221,8 +221,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.group_size} images at {args.resolution}px, micro-batch {micro}, {sampling.num_steps} steps, "
           f"CPS window {sampling.sde_window_size} in {sampling.sde_window_range}, LoRA r{args.lora_rank}; "
           f"{args.steps} timed step(s) per mode after {args.warmup} warm-up; medians")
-    print(f"transformer FLOPs per step: rollout {flops['rollout'] / 1e12:.1f} T, train {flops['train'] / 1e12:.1f} T; "
-          f"peak {peak:g} TFLOP/s")
+    print(f"transformer FLOPs per step: rollout {flops['rollout'] / 1e12:.4g} T, train {flops['train'] / 1e12:.4g} T; "
+          f"device peak {peak:g} TFLOP/s")
     keys = ["step_s", "generate_s", "decode_s", "reward_wait_s", "reward_compute_s", "train_s"]
     print(f"{'reward':<8}" + "".join(f"{k:>17}" for k in keys) + f"{'images/s/GPU':>14}{'MFU':>7}{'gen MFU':>9}{'train MFU':>10}")
     summary = {"device": name, "images_per_step": images, "resolution": args.resolution, "peak_tflops": peak,

@@ -29,20 +29,19 @@ def main() -> None:
         "log.progress_bar=false", "validation.every=-1", "data.prompts_per_step=4", "data.group_size=8",
         "sampling.micro_batch_size=8", *args.overrides])
     trainer = Trainer(cfg, prepare(cfg))
+    rollout = trainer.engine.rollout  # the local engine's in-process RolloutRole
     n_mb = trainer.sizes["rollout_micro_batches"]
     rows = {True: [], False: []}
-    trainer.score(trainer.rollout.generate(*trainer.next_prompts(), 0, submit=trainer.rewards.submit))  # warm-up: loads the OCR models
+    rollout.generate(*trainer.next_prompts(0), 0)  # warm-up: loads the OCR models
     for step in range(1, 2 * args.steps + 1):
         on = step % 2 == 1
+        cfg.reward.with_reward = on  # the role reads this flag on every call
         t0 = time.perf_counter()
-        prompts, metadata, groups = trainer.next_prompts()
-        batch = trainer.rollout.generate(prompts, metadata, groups, step,
-                                         submit=trainer.rewards.submit if on else None)
-        res = trainer.score(batch)
+        batch, res = rollout.generate(*trainer.next_prompts(step), step)
         m = trainer._train_on(batch, step, res)
         m["step_s"] = time.perf_counter() - t0
         rows[on].append(m)
-    trainer.rewards.close()
+    trainer.engine.close()
 
     med = lambda mode, key: statistics.median(r[key] for r in rows[mode])  # noqa: E731
     per_mb_reward = med(False, "reward_compute_s") / n_mb

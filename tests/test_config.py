@@ -82,3 +82,25 @@ def test_every_shipped_recipe_loads_and_validates(recipe):
 
 def test_recipes_exist():
     assert any(r.name == "tiny_cpu.yaml" for r in RECIPES)
+
+
+SCRIPTS = sorted((REPO / "recipes").glob("run_*.sh"))
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=[s.name for s in SCRIPTS])
+def test_every_gpu_launcher_validates(script):
+    """The .sh launchers pass engine/data overrides to the shared YAML: those must validate too."""
+    import shlex
+
+    lines = script.read_text().splitlines()
+    assert lines[1].startswith(f"# bash recipes/{script.name}"), "a launcher opens with its launch command"
+    exec_line = next(line for line in lines if line.startswith("exec "))
+    words = shlex.split(exec_line)
+    overrides = [w for w in words if "=" in w and not w.startswith("$") and "." in w.split("=")[0]]
+    assert overrides, exec_line
+    load_config(str(REPO / "recipes" / "sd3_fast_ocr_1gpu.yaml"), overrides)
+
+
+def test_gpu_launchers_exist():
+    names = {s.name for s in SCRIPTS}
+    assert {"run_sd3_fast_3p_a1_r2.sh", "run_sd3_fast_3p_a2_r1.sh", "run_sd3_fast_3p_hybrid.sh"} <= names

@@ -58,7 +58,8 @@ def load_run(path: Path) -> Run:
     """Read a run directory. UserError (one line: the path and the fix) when it is not one."""
     path = Path(path)
     if not path.is_dir():
-        raise UserError(f"run directory {path} does not exist; pass a directory written by `gerl train` (it holds metrics.jsonl)")
+        raise UserError(f"run directory {path} does not exist; pass a directory written by `gerl train` "
+                        "(it holds metrics.jsonl)")
     metrics = path / "metrics.jsonl"
     if not metrics.is_file():
         raise UserError(f"{path} holds no metrics.jsonl; pass a run directory written by `gerl train` (its output_dir)")
@@ -148,14 +149,15 @@ def seed_row(run: Run) -> dict[str, str]:
     g = lambda key: _get(cfg, key, None)  # noqa: E731
     window = g("sampling.sde_window_size")
     algorithm = "?" if window is None else ("Flow-GRPO-Fast" if window > 0 else "Flow-GRPO")
-    devices, actor, rollout, shared = _placement(cfg)
+    _, actor, rollout, shared = _placement(cfg)
     devices = devices_of(run)
     if g("engine.hybrid") is None or g("engine.kind") in (None, "local"):
         hybrid_text = "yes (local)"
     else:
         hybrid_text = "yes" if g("engine.hybrid") else "no"
     comps = g("reward.components") or []
-    reward = " + ".join(f"{c.get('weight', 1)}×{c.get('name')}" for c in comps) if comps else str(g("reward.name") or "?")
+    reward = (" + ".join(f"{c.get('weight', 1)}×{c.get('name')}" for c in comps) if comps
+              else str(g("reward.name") or "?"))
     placement = f"{actor} / {rollout}" + (" (shared)" if shared else "")
     pps, n = g("data.prompts_per_step"), g("data.group_size")
     batch = f"{pps * n} ({pps}×{n})" if isinstance(pps, int) and isinstance(n, int) else "?"
@@ -169,12 +171,13 @@ def seed_row(run: Run) -> dict[str, str]:
     total = gpu_hours(run.rows, devices)[-1]
     hours = (f"{to_target:.3g} (to val ≥ {target:g})" if to_target is not None
              else f"{total:.3g} total (target {target:g} not reached)")
+    text = lambda v, spec="": "?" if v is None else format(v, spec)  # noqa: E731
     return {
         "Run": run.name, "Model": _model_name(g("model.path") or "?"), "Algorithm": algorithm,
-        "Hybrid Engine": hybrid_text, "# Cards": str(devices), "Reward Fn": reward, "Async Strategy": _async_strategy(cfg),
-        "# GPUs actor / rollout": placement, "Batch Size": batch, "rollout.n": str(n if n is not None else "?"),
-        "Learning Rate": f"{lr:g}" if isinstance(lr, (int, float)) else "?", "# Val Samples": str(val_n if val_n is not None else "?"),
-        "Throughput (images/s/GPU)": f"{tput:.3g}" if tput is not None else "?", "# GPU Hour": hours,
+        "Hybrid Engine": hybrid_text, "# Cards": str(devices), "Reward Fn": reward,
+        "Async Strategy": _async_strategy(cfg), "# GPUs actor / rollout": placement, "Batch Size": batch,
+        "rollout.n": text(n), "Learning Rate": text(lr, "g"), "# Val Samples": text(val_n),
+        "Throughput (images/s/GPU)": text(tput, ".3g"), "# GPU Hour": hours,
     }
 
 
@@ -185,7 +188,11 @@ def _target(cfg: dict) -> tuple[float, int]:
 def stage_medians(run: Run) -> dict[str, float | None]:
     """Median seconds per training step of each stage, plus median MFU and the largest peak memory logged."""
     steps = [r for r in run.rows if "step_s" in r]
-    med = lambda key: statistics.median(v) if (v := [r[key] for r in steps if isinstance(r.get(key), (int, float))]) else None  # noqa: E731
+
+    def med(key: str) -> float | None:
+        vals = [r[key] for r in steps if isinstance(r.get(key), (int, float))]
+        return statistics.median(vals) if vals else None
+
     out = {k: med(k) for k in STAGES}
     out["mfu"] = med("mfu")
     mem = [r["peak_mem_gib"] for r in run.rows if isinstance(r.get("peak_mem_gib"), (int, float))]

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# bash recipes/run_sd3_fast_1p_with_reward.sh MODEL_PATH_OR_HUB_ID DATASET_DIR [key=value ...]
+# GeRL with_reward row, 1 GPU: pass reward.with_reward=false for the 'off' row.
+# SD3.5-M, Flow-GRPO-Fast (cps, noise 0.8, window 3 in [0,5], guidance 1.0), OCR reward, LoRA r32/α64, lr 1e-4,
+# 32 validation prompts. DATASET_DIR holds train.txt and test.txt (Flow-GRPO's dataset/ocr layout).
+set -euo pipefail
+MODEL="${1:?usage: $0 MODEL_PATH_OR_HUB_ID DATASET_DIR [key=value ...]}"
+DATA="${2:?usage: $0 MODEL_PATH_OR_HUB_ID DATASET_DIR [key=value ...]}"
+shift 2
+exec bash "$(dirname "$0")/_launch.sh" "$MODEL" "$DATA" "${OUT:-runs/run_sd3_fast_1p_with_reward}" engine.kind=local "$@"
