@@ -25,6 +25,7 @@ from gerl.data.prompts import Prompt, PromptSampler, load_prompts
 from gerl.errors import RunAborted, UserError
 from gerl.logging.images import image_grid
 from gerl.logging.metrics import MetricsLogger
+from gerl.logging.throughput import tracker_for
 from gerl.logging.timeline import Timeline, truncate_timeline
 from gerl.models.loader import lora_file
 from gerl.workers.batch import RolloutBatch, subset
@@ -119,6 +120,10 @@ class Trainer:
         truncate_timeline(self.run_dir, resume_step)
         self.logger = MetricsLogger(self.run_dir, cfg.log.tensorboard, cfg.log.wandb, cfg.log.wandb_project,
                                     redact(to_dict(cfg)), resume_step)
+        # Throughput, GPU-hours and MFU; a resumed run replays the metrics.jsonl rows the logger kept.
+        self.throughput = tracker_for(cfg, getattr(self.engine, "devices", 1), prep.pipe)
+        self.throughput.restore(self.run_dir / "metrics.jsonl")
+        self._step_clock = time.perf_counter()  # run_step measures step_s from here or from the previous step end
 
     # ------------------------------------------------------------------ stages
     def next_prompts(self, step: int) -> tuple[list[str], list[dict], torch.Tensor]:
@@ -200,7 +205,10 @@ class Trainer:
         try:
             if cfg.validation.every > 0 and self.start_step == 0:
                 with self.timeline.span("trainer", "validate", 0):
-                    self.logger.log(0, self.validate(0))
+                    row = self.validate(0)
+                    row.update(self.throughput.update(row))
+                    self.logger.log(0, row)
+            self._step_clock = time.perf_counter()  # step_s runs from the end of the previous step (see run_step)
             for step in range(self.start_step + 1, cfg.max_steps + 1):
                 # Keep `ahead` batches generating beyond the one trained now (none for the sync schedule).
                 while next_gen <= min(step + ahead, cfg.max_steps):
@@ -224,7 +232,9 @@ class Trainer:
     def run_step(self, step: int, handle) -> dict:
         """collect the step's rewarded batch → failure policy → advantages + update → sync → validate/log/save."""
         cfg, tl = self.cfg, self.timeline
-        t0 = time.perf_counter()
+        # From the end of the previous step (after its validation/checkpoint), so that generation submitted by
+        # fit() before this call — all of it with the local engine — is inside this step's wall time.
+        t0 = self._step_clock
         with tl.span("trainer", "step", step):
             with tl.span("trainer", "wait_rollout", step):
                 batch, res = self.engine.collect(handle)
@@ -249,6 +259,8 @@ class Trainer:
                 grid.save(self.run_dir / "samples" / f"train_step_{step:06d}.png")
                 self.logger.log_image("train/images", grid, step)
             spans = metrics.pop("_spans", [])
+            metrics.update(self.throughput.update(metrics, text_len=full_batch.embeds.prompt.shape[1],
+                                                  trained_images=len(batch)))
             self.logger.log(step, metrics)
             if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 or step == cfg.max_steps:
                 with tl.span("trainer", "checkpoint", step):
@@ -258,6 +270,7 @@ class Trainer:
         for sp in list(res.spans) + spans:
             tl.add(sp["lane"], sp["name"], sp["start"], sp["end"], step)
         tl.flush()
+        self._step_clock = time.perf_counter()
         return metrics
 
     def _train_on(self, batch: RolloutBatch, step: int, res: RewardResult | None = None) -> dict:
