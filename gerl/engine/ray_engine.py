@@ -144,7 +144,8 @@ def _broadcast(params: list[torch.Tensor], group, bucket_mb: int, src: int, rece
     def flush():
         if not bucket:
             return
-        flat = torch.cat([p.detach().float().flatten().cpu() for p in bucket])
+        # NCCL needs CUDA tensors, gloo CPU ones: keep the bucket on the parameters' own device
+        flat = torch.cat([p.detach().float().flatten() for p in bucket]).to(bucket[0].device)
         dist.broadcast(flat, src=src, group=group)
         if receive:
             off = 0

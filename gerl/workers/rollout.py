@@ -70,6 +70,8 @@ class RolloutWorker:
             noise, gens = latent_noise(seeds, self.latent_shape)
             traj = denoise(self.pipe.transformer, embeds, noise.to(self.device), sched, sde_steps, cfg.sampler,
                            cfg.noise_level, cfg.guidance_scale, gens)
+            if traj.final_latents.is_cuda:
+                torch.cuda.synchronize()  # CUDA is asynchronous: without this, denoising time lands in decode_s
             t1 = time.perf_counter()
             mb_images = decode(self.pipe.vae, traj.final_latents)
             t2 = time.perf_counter()
