@@ -91,15 +91,17 @@ class RewardComponent:
     weight: float = 1.0  # weight in the total reward
     normalize: Literal["none", "zscore", "scale"] = "none"  # per-step z-score over the batch, or multiply by `scale`, before weighting
     scale: float = 1.0  # used by normalize=scale
-    pool: Literal["thread", "process"] = "thread"  # threads for I/O-bound calls (HTTP) or GIL-free libraries; processes for CPU-bound Python
-    workers: int = 1  # pool size for this component
+    pool: Literal["thread", "process", "ray"] = "thread"  # threads for I/O-bound calls (HTTP) or GIL-free libraries; processes for CPU-bound Python; Ray actors (replicas with their own CPU/GPU)
+    workers: int = 1  # pool size (replicas) for this component
+    num_cpus: float = 1.0  # pool=ray: CPUs reserved by each replica
+    num_gpus: float = 0.0  # pool=ray: GPUs reserved by each replica (e.g. 1 for an OCR or VLM model on its own GPU)
 
 
 @dataclass
 class RewardConfig:
     name: str = "ocr"  # single-reward shorthand: registered name, entry point, or package.module:callable ("" when using components)
     kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the reward factory
-    pool: Literal["thread", "process"] = "thread"  # where the single reward's calls run (components set their own)
+    pool: Literal["thread", "process", "ray"] = "thread"  # where the single reward's calls run (components set their own)
     workers: int = 1  # pool size for the single reward
     components: list[RewardComponent] = field(default_factory=list)  # several weighted rewards; replaces name/kwargs when given
     with_reward: bool = True  # submit each decoded micro-batch's reward as a future and keep generating

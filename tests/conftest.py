@@ -11,6 +11,10 @@ import copy
 import pytest
 import torch
 
+# The tiny model's ops are too small to gain from intra-op threads, and on a shared 2-core box two threads per
+# process make the suite several times slower (Ray tests pin their own workers to one core each).
+torch.set_num_threads(1)
+
 
 @pytest.fixture(scope="session")
 def tiny_pipe():

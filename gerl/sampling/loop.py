@@ -127,6 +127,8 @@ def denoise(
         generators: one CPU generator per sample for the SDE noise (sample-wise seeding keeps the images
             independent of how the batch is split); may be None when sde_steps is empty.
     """
+    if sde_steps and generators is None:
+        raise ValueError("stochastic steps need one generator per sample (got generators=None)")
     if sde_steps and sde_steps[-1] >= schedule.num_steps - 1:
         raise ValueError(f"the final step ({schedule.num_steps - 1}) cannot be stochastic; got sde_steps={sde_steps}")
     x = noise.float()

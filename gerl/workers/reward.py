@@ -100,20 +100,64 @@ def run_attempts(fn, images, prompts, metadata, timeout_s: float, retries: int, 
     return res
 
 
+class RayRewardWorker:
+    """One reward replica as a Ray actor (its own process, CPUs and GPUs); the model loads once per replica."""
+
+    def __init__(self, fn):
+        _install(fn)
+
+    def run(self, images, prompts, metadata, timeout_s, retries, backoff_s) -> CallResult:
+        return run_attempts(None, images, prompts, metadata, timeout_s, retries, backoff_s)
+
+
+class _RayPool:
+    """`workers` RayRewardWorker replicas used round-robin; a dead replica is replaced on the next submit."""
+
+    def __init__(self, fn, workers: int, num_cpus: float, num_gpus: float):
+        import ray
+
+        if not ray.is_initialized():
+            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+            ray.init(num_cpus=os.cpu_count(), include_dashboard=False)
+        self.ray, self.fn = ray, fn
+        self.cls = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(RayRewardWorker)
+        self.replicas = [self.cls.remote(fn) for _ in range(workers)]
+        self.next = 0
+        self._broken = False
+
+    def submit(self, fn_, *args):
+        i = self.next % len(self.replicas)
+        self.next += 1
+        fut = self.replicas[i].run.remote(*args[1:]).future()
+        fut.gerl_replica = i
+        return fut
+
+    def replace(self, i: int) -> None:
+        self.ray.kill(self.replicas[i])
+        self.replicas[i] = self.cls.remote(self.fn)
+
+    def shutdown(self, wait=False, cancel_futures=True):
+        for r in self.replicas:
+            self.ray.kill(r)
+
+
 class RewardExecutor:
-    """Runs one reward callable in a thread or process pool. `submit` → Future[CallResult]."""
+    """Runs one reward callable in a thread, process or Ray-actor pool. `submit` → Future[CallResult]."""
 
     def __init__(self, fn, pool: str = "thread", workers: int = 1, timeout_s: float = 120.0, retries: int = 2,
-                 backoff_s: float = 0.5):
-        if pool not in ("thread", "process"):
-            raise ValueError(f"unknown reward pool {pool!r}; choose thread or process")
+                 backoff_s: float = 0.5, num_cpus: float = 1.0, num_gpus: float = 0.0):
+        if pool not in ("thread", "process", "ray"):
+            raise ValueError(f"unknown reward pool {pool!r}; choose thread, process or ray")
         self.fn, self.pool_kind, self.workers = fn, pool, workers
         self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
+        self.num_cpus, self.num_gpus = num_cpus, num_gpus
         self.worker_restarts = 0
         self._lock = threading.Lock()
         self.pool = self._new_pool()
 
     def _new_pool(self):
+        if self.pool_kind == "ray":
+            return _RayPool(self.fn, self.workers, self.num_cpus, self.num_gpus)
         if self.pool_kind == "thread":
             return ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="reward")
         # forkserver: forking a process that holds torch threads can deadlock
@@ -155,6 +199,13 @@ class RewardExecutor:
             with self._lock:
                 self._restart()
             return CallResult.failure(fut.gerl_n, errors=1, last_error="reward worker process died")
+        except Exception as e:  # noqa: BLE001 — a Ray replica that died (RayActorError) or lost its result
+            if self.pool_kind != "ray":
+                raise
+            with self._lock:
+                self.pool.replace(fut.gerl_replica)
+                self.worker_restarts += 1
+            return CallResult.failure(fut.gerl_n, errors=1, last_error=f"reward replica died: {type(e).__name__}")
 
     def _restart(self) -> None:
         if isinstance(self.pool, ProcessPoolExecutor) and getattr(self.pool, "_broken", False):
@@ -187,7 +238,8 @@ class RewardSet:
     def __init__(self, components: list, fns: list, timeout_s: float, retries: int, backoff_s: float):
         self.specs = components
         self.names = _unique_names([c.name.rsplit(":", 1)[-1].rsplit(".", 1)[-1] for c in components])
-        self.executors = [RewardExecutor(fn, c.pool, c.workers, timeout_s, retries, backoff_s)
+        self.executors = [RewardExecutor(fn, c.pool, c.workers, timeout_s, retries, backoff_s,
+                                         getattr(c, "num_cpus", 1.0), getattr(c, "num_gpus", 0.0))
                           for c, fn in zip(components, fns)]
 
     def submit(self, images, prompts, metadata) -> list[Future]:
