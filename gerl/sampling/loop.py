@@ -135,13 +135,17 @@ def denoise(
     B = x.shape[0]
     recorded_x, recorded_next, recorded_lp = [], [], []
     sde_set = set(sde_steps)
+    # Each sample's SDE noise for all its stochastic steps in one draw from its own generator: (B, K, C, h, w).
+    step_noise = None
+    if sde_steps:
+        step_noise = torch.stack([torch.randn((len(sde_steps), *x.shape[1:]), generator=g) for g in generators])
     for i in range(schedule.num_steps):
         sigma, sigma_next = schedule.sigmas[i], schedule.sigmas[i + 1]
         t = schedule.timesteps[i].expand(B).to(x.device)
         v = predict_velocity(transformer, x, t, embeds, guidance)
         if i in sde_set:
             out: StepOutput = stochastic_step(sampler, v, x, sigma, sigma_next, noise_level, schedule.sigma_max,
-                                              generator=generators)
+                                              noise=step_noise[:, len(recorded_x)])
             recorded_x.append(x)
             recorded_next.append(out.prev_sample)
             recorded_lp.append(out.log_prob)

@@ -41,12 +41,15 @@ def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) ->
     return lp.mean(dim=tuple(range(1, x.ndim)))
 
 
-def _finish(mean, std, prev_sample, generator) -> StepOutput:
+def _finish(mean, std, prev_sample, generator, noise=None) -> StepOutput:
     if prev_sample is None:
         # Noise is drawn on the CPU from the caller's generator so that a seed reproduces the same sample on any
         # device; the loop passes one generator per sample, so the batch split does not change the noise.
-        noise = _randn(mean.shape, generator, mean.device)
+        noise = _randn(mean.shape, generator, mean.device) if noise is None else noise.to(mean.device, torch.float32)
         prev_sample = mean + std * noise
+        # x − mean = std·noise exactly, so the density needs no second pass over (x − mean)² / std²
+        lp = (-0.5 * noise**2).mean(dim=tuple(range(1, noise.ndim))) - torch.log(std).flatten() - LOG_SQRT_2PI
+        return StepOutput(prev_sample, lp, mean, std)
     prev_sample = prev_sample.float()
     return StepOutput(prev_sample, gaussian_log_prob(prev_sample.detach(), mean, std), mean, std)
 
@@ -55,7 +58,10 @@ def _randn(shape, generator, device) -> torch.Tensor:
     if isinstance(generator, (list, tuple)):
         if len(generator) != shape[0]:
             raise ValueError(f"got {len(generator)} generators for a batch of {shape[0]}; pass one per sample")
-        return torch.stack([torch.randn(shape[1:], generator=g, dtype=torch.float32) for g in generator]).to(device)
+        out = torch.empty(shape, dtype=torch.float32)
+        for i, g in enumerate(generator):
+            torch.randn(shape[1:], generator=g, out=out[i])
+        return out.to(device)
     return torch.randn(shape, generator=generator, dtype=torch.float32).to(device)
 
 
@@ -77,6 +83,7 @@ def sde_step(
     sigma_max: float,
     prev_sample: torch.Tensor | None = None,
     generator=None,
+    noise: torch.Tensor | None = None,
 ) -> StepOutput:
     """Flow-GRPO's SDE step: the reverse-time SDE whose marginals equal the flow ODE's.
 
@@ -94,6 +101,7 @@ def sde_step(
         sigma_max: see above.
         prev_sample: (B, C, H, W) a recorded x_next to score; None to sample one.
         generator: a torch.Generator or a list of one per sample (CPU), used only when sampling.
+        noise: (B, C, H, W) standard-normal noise to use instead of drawing from `generator` when sampling.
     """
     v, x = model_output.float(), sample.float()  # fp32: see module docstring
     s, s_next = _as_batch(sigma, x), _as_batch(sigma_next, x)
@@ -102,7 +110,7 @@ def sde_step(
     g = noise_level * torch.sqrt(s / denom)
     mean = x * (1 + g**2 / (2 * s) * dt) + v * (1 + g**2 * (1 - s) / (2 * s)) * dt
     std = g * torch.sqrt(-dt)
-    return _finish(mean, std, prev_sample, generator)
+    return _finish(mean, std, prev_sample, generator, noise)
 
 
 def cps_step(
@@ -113,6 +121,7 @@ def cps_step(
     noise_level: float,
     prev_sample: torch.Tensor | None = None,
     generator=None,
+    noise: torch.Tensor | None = None,
 ) -> StepOutput:
     """Coefficients-preserving sampling (CPS): re-noise the predicted x0 to σ_next with a fresh share of noise.
 
@@ -129,17 +138,17 @@ def cps_step(
     x0 = x - s * v
     eps = x + (1 - s) * v
     mean = (1 - s_next) * x0 + torch.sqrt((s_next**2 - std**2).clamp_min(0)) * eps
-    return _finish(mean, std, prev_sample, generator)
+    return _finish(mean, std, prev_sample, generator, noise)
 
 
 SAMPLERS = ("sde", "cps")
 
 
 def stochastic_step(sampler: str, model_output, sample, sigma, sigma_next, noise_level, sigma_max,
-                    prev_sample=None, generator=None) -> StepOutput:
+                    prev_sample=None, generator=None, noise=None) -> StepOutput:
     """Dispatch to the named stochastic step; an unknown name lists the valid ones."""
     if sampler == "sde":
-        return sde_step(model_output, sample, sigma, sigma_next, noise_level, sigma_max, prev_sample, generator)
+        return sde_step(model_output, sample, sigma, sigma_next, noise_level, sigma_max, prev_sample, generator, noise)
     if sampler == "cps":
-        return cps_step(model_output, sample, sigma, sigma_next, noise_level, prev_sample, generator)
+        return cps_step(model_output, sample, sigma, sigma_next, noise_level, prev_sample, generator, noise)
     raise ValueError(f"unknown sampler {sampler!r}; choose one of {', '.join(SAMPLERS)}")
