@@ -28,28 +28,44 @@ from gerl.workers.reward import merge_results
 class Host:
     """One Ray actor process: builds the roles it is given (the same classes the local engine uses)."""
 
-    def __init__(self, cfg, roles: tuple[str, ...], rank: int, world: int, actor_world: int, cores, dist_addr,
+    def __init__(self, cfg, roles: tuple[str, ...], rank: int, world: int, actor_world: int, cores,
                  sync_ranks: list[int] | None):
         from gerl.cli import _quiet_libraries
 
         _quiet_libraries()
-        from gerl.engine.roles import ActorRole, RolloutRole, build_pipeline, pin_cpus
+        from gerl.engine.roles import pin_cpus
 
         pin_cpus(cores)
-        self.rank, self.world = rank, world
-        self.dp_group = self.sync_group = None
-        if world > 1:
+        self.cfg, self.roles, self.rank, self.world = cfg, roles, rank, world
+        self.actor_world, self.sync_ranks = actor_world, sync_ranks
+        self.dp_group = self.sync_group = self.rollout = self.actor = None
+
+    def rendezvous(self) -> str:
+        """This host's node address and a free port: rank 0 serves the torch.distributed store (any node)."""
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return f"{ray.util.get_node_ip_address()}:{s.getsockname()[1]}"
+
+    def setup(self, dist_addr: str | None) -> int:
+        """Join the process group (if any), then build the roles on one shared pipeline."""
+        from gerl.engine.roles import ActorRole, RolloutRole, build_pipeline
+
+        if self.world > 1:
             import torch.distributed as dist
 
             backend = "nccl" if torch.cuda.is_available() else "gloo"
-            dist.init_process_group(backend, init_method=f"tcp://{dist_addr}", rank=rank, world_size=world)
+            dist.init_process_group(backend, init_method=f"tcp://{dist_addr}", rank=self.rank, world_size=self.world)
             # Every process creates every group, in the same order (a torch.distributed rule).
-            self.dp_group = dist.new_group(list(range(actor_world))) if actor_world > 1 else None
-            self.sync_group = dist.new_group(sync_ranks) if sync_ranks else None
-        pipe = build_pipeline(cfg)
-        self.rollout = RolloutRole(cfg, pipe) if "rollout" in roles else None
+            self.dp_group = dist.new_group(list(range(self.actor_world))) if self.actor_world > 1 else None
+            self.sync_group = dist.new_group(self.sync_ranks) if self.sync_ranks else None
+        pipe = build_pipeline(self.cfg)
+        self.rollout = RolloutRole(self.cfg, pipe) if "rollout" in self.roles else None
         grad_sync = self._grad_sync if self.dp_group is not None else None
-        self.actor = ActorRole(cfg, pipe, rank, actor_world, grad_sync=grad_sync) if "actor" in roles else None
+        if "actor" in self.roles:
+            self.actor = ActorRole(self.cfg, pipe, self.rank, self.actor_world, grad_sync=grad_sync)
+        return os.getpid()
 
     def _grad_sync(self, params, finite: bool) -> bool:
         """Average gradients over the data-parallel ranks; all skip the step if any rank saw a non-finite loss."""
@@ -164,12 +180,6 @@ def _broadcast(params: list[torch.Tensor], group, bucket_mb: int, src: int, rece
     flush()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class RayEngine:
     def __init__(self, cfg):
         try:
@@ -200,7 +210,6 @@ class RayEngine:
         # One process group: actor ranks 0..N-1 (data parallel), plus the rollouts when weights are broadcast.
         world = n_actor + n_roll if broadcast else n_actor
         sync_ranks = [0] + list(range(n_actor, n_actor + n_roll)) if broadcast else None
-        addr = f"127.0.0.1:{_free_port()}"  # single-node rendezvous (multi-node: see docs/architecture.md)
         c = g.cpus_per_worker
         self._opts = {"num_gpus": 1} if self.use_gpu else {"num_cpus": c}
         self._host_cls = ray.remote(Host)
@@ -208,7 +217,7 @@ class RayEngine:
 
         def spawn(i, roles, rank, world_size):
             cores = None if self.use_gpu else list(range(i * c, (i + 1) * c))
-            self._spec[i] = (cfg, roles, rank, world_size, n_actor, cores, addr, sync_ranks if world_size > 1 else None)
+            self._spec[i] = (cfg, roles, rank, world_size, n_actor, cores, sync_ranks if world_size > 1 else None)
             return self._host_cls.options(**self._opts).remote(*self._spec[i])
 
         if g.hybrid:
@@ -220,9 +229,11 @@ class RayEngine:
                              for j in range(n_roll)]
         self.hosts = self.actors if g.hybrid else self.actors + self.rollouts
         try:
-            ray.get([h.pid.remote() for h in self.hosts])
-        except ray.exceptions.RayActorError as e:
-            raise UserError(f"a Ray worker failed to start ({str(e).splitlines()[0][:200]}); run with --debug") from None
+            addr = ray.get(self.actors[0].rendezvous.remote())  # on actor rank 0's node, so multi-node works
+            ray.get([h.setup.remote(addr) for h in self.hosts])
+        except ray.exceptions.RayError as e:
+            raise UserError(f"a Ray worker failed to start ({str(e).strip().splitlines()[-1][:200]}); "
+                            "run with --debug for the full error") from None
         self.restarts = 0
         self._version = 0
         self._pending_loads: list = []
@@ -285,6 +296,7 @@ class RayEngine:
                              "engine.weight_sync=object_store (a broadcast group cannot take a new member)")
         idx = self.cfg.engine.actor_workers + j
         self.rollouts[j] = self._host_cls.options(**self._opts).remote(*self._spec[idx])
+        self.ray.get(self.rollouts[j].setup.remote(None))
         self.hosts = self.actors + self.rollouts
         self.ray.get(self.rollouts[j].load_weights.remote(self.actors[0].actor_weights.remote(), self._version))
         self.restarts += 1

@@ -145,7 +145,8 @@ class TextEmbedder:
             prompt=prompts, prompt_2=None, prompt_3=None, device=self.pipe.transformer.device,
             do_classifier_free_guidance=False, max_sequence_length=self.max_sequence_length,
         )
-        return [(embeds[i], pooled[i]) for i in range(len(prompts))]
+        # Kept in host memory: one SD3.5 prompt is 333 × 4096 values, so thousands of them do not belong on a GPU.
+        return [(embeds[i].cpu(), pooled[i].cpu()) for i in range(len(prompts))]
 
     def _lookup(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         missing = list(dict.fromkeys(p for p in prompts if p not in self._cache))
@@ -157,7 +158,9 @@ class TextEmbedder:
             self._cache.move_to_end(p)
         while len(self._cache) > max(self.cache_size, len(set(prompts))):
             self._cache.popitem(last=False)
-        return (torch.stack([self._cache[p][0] for p in prompts]), torch.stack([self._cache[p][1] for p in prompts]))
+        device = self.pipe.transformer.device
+        return (torch.stack([self._cache[p][0] for p in prompts]).to(device),
+                torch.stack([self._cache[p][1] for p in prompts]).to(device))
 
     def __call__(self, prompts: list[str], with_negative: bool = False) -> Embeds:
         prompt, pooled = self._lookup(prompts)
