@@ -155,3 +155,28 @@ def test_data_parallel_actors_stay_identical(tmp_path):
     assert [r["step"] for r in rows] == [1, 2] and rows[-1]["devices"] == 2
     spans = [json.loads(line) for line in (tmp_path / "timeline.jsonl").read_text().splitlines()]
     assert {"rollout0", "rollout1", "actor0", "actor1"} <= {s["lane"] for s in spans}
+
+
+def test_actor_death_stops_the_run_with_the_last_checkpoint_intact(tmp_path):
+    from gerl.checkpoint import list_checkpoints
+    from gerl.errors import RunAborted
+
+    cfg = small_config(tmp_path, "max_steps=4", "checkpoint.every=2", *DECOUPLED)
+    trainer = Trainer(cfg, prepare(cfg))
+    engine = trainer.engine
+    real_update = engine.update
+
+    def update(batch, adv, step):
+        if step == 3:
+            ray.kill(engine.actors[0])  # the training process dies mid-run
+        return real_update(batch, adv, step)
+
+    engine.update = update
+    with pytest.raises(RunAborted, match="actor .* died at step 3.*resume=true"):
+        trainer.fit()
+    assert [c.name for c in list_checkpoints(tmp_path)] == ["step_000002"]
+    state = json.loads((tmp_path / "checkpoints/step_000002/trainer_state.json").read_text())
+    assert state["step"] == 2
+    # and the run resumes from it
+    train(small_config(tmp_path, "max_steps=3", "checkpoint.every=2", "resume=true", *DECOUPLED))
+    assert [r["step"] for r in _rows(tmp_path)] == [1, 2, 3]
