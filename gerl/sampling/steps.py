@@ -46,7 +46,7 @@ def _finish(mean, std, prev_sample, generator, noise=None) -> StepOutput:
         # Noise is drawn on the CPU from the caller's generator so that a seed reproduces the same sample on any
         # device; the loop passes one generator per sample, so the batch split does not change the noise.
         noise = _randn(mean.shape, generator, mean.device) if noise is None else noise.to(mean.device, torch.float32)
-        prev_sample = mean + std * noise
+        prev_sample = torch.addcmul(mean, std, noise)
         # x − mean = std·noise exactly, so the density needs no second pass over (x − mean)² / std²
         lp = (-0.5 * noise**2).mean(dim=tuple(range(1, noise.ndim))) - torch.log(std).flatten() - LOG_SQRT_2PI
         return StepOutput(prev_sample, lp, mean, std)
@@ -108,7 +108,8 @@ def sde_step(
     dt = s_next - s
     denom = 1 - torch.where(s >= 1, torch.full_like(s, sigma_max), s)
     g = noise_level * torch.sqrt(s / denom)
-    mean = x * (1 + g**2 / (2 * s) * dt) + v * (1 + g**2 * (1 - s) / (2 * s)) * dt
+    g2_2s = g**2 / (2 * s)  # per-sample coefficients first (B,1,1,1), then two passes over the latents
+    mean = torch.addcmul(x * (1 + g2_2s * dt), v, (1 + g2_2s * (1 - s)) * dt)
     std = g * torch.sqrt(-dt)
     return _finish(mean, std, prev_sample, generator, noise)
 
@@ -137,7 +138,7 @@ def cps_step(
     std = s_next * math.sin(noise_level * math.pi / 2)
     x0 = x - s * v
     eps = x + (1 - s) * v
-    mean = (1 - s_next) * x0 + torch.sqrt((s_next**2 - std**2).clamp_min(0)) * eps
+    mean = torch.addcmul(x0 * (1 - s_next), eps, torch.sqrt((s_next**2 - std**2).clamp_min(0)))
     return _finish(mean, std, prev_sample, generator, noise)
 
 
