@@ -10,9 +10,10 @@ from tests.train.helpers import small_config
 
 
 def _curve(tmp_path, *extra):
-    cfg = small_config(tmp_path, "max_steps=40", "data.group_size=8", "sampling.micro_batch_size=8",
-                       "train.mini_batch_size=8", "train.micro_batch_size=8", "train.learning_rate=2e-2",
-                       "checkpoint.every=0", "reward.name=jpeg_compressibility", *extra)
+    # The quickstart's shape (4 prompts × 8 images, four updates per step), cut to 40 steps.
+    cfg = small_config(tmp_path, "max_steps=40", "data.prompts_per_step=4", "data.group_size=8",
+                       "sampling.micro_batch_size=8", "train.mini_batch_size=8", "train.micro_batch_size=8",
+                       "train.learning_rate=1.5e-2", "checkpoint.every=0", "reward.name=jpeg_compressibility", *extra)
     train(cfg)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     rewards = [r["reward_mean"] for r in rows if "reward_mean" in r]
