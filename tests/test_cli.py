@@ -1,7 +1,6 @@
 """CLI: each kind of bad input gives one line on stderr, exit code 2, no traceback, and nothing written."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path

@@ -10,7 +10,7 @@ import torch
 
 from gerl.algo.loss import grpo_loss
 from gerl.config import ModelConfig, SamplingConfig, TrainConfig
-from gerl.sampling.loop import Embeds, replay_log_prob
+from gerl.sampling.loop import replay_log_prob
 from gerl.workers.batch import RolloutBatch
 
 

@@ -23,7 +23,7 @@ from rewards import vlm  # noqa: F401  (registers vlm_ocr and vlm_judge)
 from rewards.ocr import ocr_score
 from rewards.registry import build_reward, call_reward, registered_names, validate_reward_inputs
 from rewards.vlm import parse_score
-from rewards.vlm_client import ChatClient, image_data_url
+from rewards.vlm_client import image_data_url
 from tests.rewards.tiny_llava import ServedModel, save_tiny_llava
 
 SECRET = "sk-test-0123456789abcdef-never-log-me"

@@ -12,7 +12,7 @@ from gerl.config import RewardComponent
 from gerl.data.prompts import PromptSampler, load_prompts
 from gerl.trainer import train
 from gerl.workers.reward import RewardExecutor, RewardSet
-from tests.train.helpers import REPO, small_config
+from tests.train.helpers import small_config
 from tests.workers import faulty
 
 IMG = Image.new("RGB", (16, 16), "white")
@@ -88,7 +88,6 @@ def test_training_survives_injected_faults_and_counts_them(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     expected = _expected_faults(cfg, 4)
     assert any("raise" in k for k in expected) and any("hang" in k for k in expected), "the seed must exercise both"
-    seen_hang = set()
     for row, kinds in zip(rows, expected):
         n_raise = kinds.count("raise")
         # each micro-batch is one group (4 images of one prompt): a raising group fails both attempts
