@@ -12,6 +12,7 @@ replaced and its in-flight shards re-issued; a dead actor host stops the run wit
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import sys
@@ -313,6 +314,8 @@ class RayEngine:
             keep = torch.zeros(len(batch), dtype=torch.bool)
             keep[r * size:(r + 1) * size if r < n - 1 else len(batch)] = True
             part = batch if n == 1 else subset(batch, keep)
+            # The actor needs trajectories, not pictures: 64 images of 512 px would be ~50 MB to ship every step.
+            part = dataclasses.replace(part, images=[], reward_extras={}, spans=[])
             refs.append(h.update.remote(part, advantages[keep] if n > 1 else advantages, step))
         try:
             results = self.ray.get(refs)
