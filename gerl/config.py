@@ -25,7 +25,7 @@ from gerl.errors import UserError
 
 @dataclass
 class ModelConfig:
-    path: str = "tiny"  # "tiny" (built offline, seeded), a local diffusers directory, or a hub id (e.g. stabilityai/stable-diffusion-3.5-medium)
+    path: str = "tiny"  # "tiny" (built offline, seeded), "ocr-mini" (shipped, draws 2-digit numbers), a local diffusers directory, or a hub id (e.g. stabilityai/stable-diffusion-3.5-medium)
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"  # transformer/VAE/text-encoder weights; SDE math is always fp32
     device: str = "auto"  # "auto" = cuda if available else cpu; or an explicit torch device string
     resolution: int = 64  # image side in pixels (must be divisible by the VAE factor × patch size)
@@ -116,6 +116,7 @@ class RewardConfig:
 class ValidationConfig:
     every: int = 0  # validate every N steps (0 = only at the end; -1 = never)
     num_prompts: int = 8  # first N prompts of data.test_prompts
+    images_per_prompt: int = 1  # validation images per prompt, each with its own fixed noise (more = a less noisy val_reward_mean)
     seed: int = 1234  # fixed noise for comparable grids
 
 
@@ -387,8 +388,8 @@ def validate(cfg: Config) -> list[str]:
     if mini % g.actor_workers or (mini // g.actor_workers) % max(t.micro_batch_size, 1):
         e.append(f"train.mini_batch_size ({mini}) must split evenly over engine.actor_workers ({g.actor_workers}) "
                  f"in multiples of train.micro_batch_size ({t.micro_batch_size})")
-    if cfg.validation.num_prompts < 1:
-        e.append("validation.num_prompts must be ≥ 1")
+    if cfg.validation.num_prompts < 1 or cfg.validation.images_per_prompt < 1:
+        e.append("validation.num_prompts and validation.images_per_prompt must be ≥ 1")
     return e
 
 

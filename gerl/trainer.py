@@ -27,7 +27,7 @@ from gerl.logging.images import image_grid
 from gerl.logging.metrics import MetricsLogger
 from gerl.logging.throughput import tracker_for
 from gerl.logging.timeline import Timeline, truncate_timeline
-from gerl.models.loader import lora_file
+from gerl.models.loader import lora_file, resolve_model_path
 from gerl.workers.batch import RolloutBatch, subset
 from gerl.workers.reward import RewardResult
 from rewards.registry import build_reward, validate_reward_inputs
@@ -76,8 +76,8 @@ def prepare(cfg: Config) -> Prepared:
         from gerl.engine.roles import build_pipeline
 
         pipe = build_pipeline(cfg)
-    elif cfg.model.path != "tiny" and not Path(cfg.model.path).exists() and "/" not in cfg.model.path:
-        raise UserError(f"model.path {cfg.model.path!r} is neither 'tiny', an existing directory, nor a hub id")
+    elif (path := resolve_model_path(cfg.model.path)) != "tiny" and not Path(path).exists() and "/" not in path:
+        raise UserError(f"model.path {cfg.model.path!r} is neither 'tiny', 'ocr-mini', an existing directory, nor a hub id")
     return Prepared(train, test, reward_fns, resume_from, pipe)
 
 
@@ -175,14 +175,15 @@ class Trainer:
     @torch.no_grad()
     def validate(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
-        prompts = [p.text for p in self.test_prompts]
-        metadata = [dict(p.metadata) for p in self.test_prompts]
+        k = self.cfg.validation.images_per_prompt  # image j of prompt i uses noise seed (validation.seed, i·k + j)
+        prompts = [p.text for p in self.test_prompts for _ in range(k)]
+        metadata = [dict(p.metadata) for p in self.test_prompts for _ in range(k)]
         images, res = self.engine.validate(prompts, metadata)
         valid = [float(v) for v in res.total if math.isfinite(float(v))]
-        grid = image_grid(images)
+        grid = image_grid(images, cols=k if k > 1 else None)  # a row per prompt when it has several images
         grid.save(self.run_dir / "samples" / f"val_step_{step:06d}.png")
         self.logger.log_image("validation/images", grid, step)
-        return {"val_reward_mean": sum(valid) / max(len(valid), 1), "val_num_prompts": len(prompts),
+        return {"val_reward_mean": sum(valid) / max(len(valid), 1), "val_num_prompts": len(self.test_prompts), "val_images": len(prompts),
                 "validate_s": time.perf_counter() - t0}
 
     def checkpoint(self, step: int) -> None:

@@ -363,7 +363,9 @@ def tracker_for(cfg, devices: int = 1, pipe=None) -> ThroughputTracker:
     if peak <= 0 and device.type == "cuda":
         peak = peak_tflops_for(torch.cuda.get_device_name(device), cfg.model.dtype,
                                tf32=torch.get_float32_matmul_precision() != "highest")
-    found = model_config_for(cfg.model.path, pipe)
+    from gerl.models.loader import resolve_model_path
+
+    found = model_config_for(resolve_model_path(cfg.model.path), pipe)
     flops = None
     if found is not None:
         s, t = cfg.sampling, cfg.train

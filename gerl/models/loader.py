@@ -14,6 +14,19 @@ from gerl.sampling.loop import Embeds
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
+# Models shipped inside the repository, selected by name (model.path=ocr-mini); see assets/models/*/README.md.
+SHIPPED_MODELS = {"ocr-mini": Path(__file__).resolve().parents[2] / "assets" / "models" / "ocr-mini"}
+
+
+def resolve_model_path(path: str) -> str:
+    """A shipped model's name → its directory; anything else unchanged. A missing shipped model is a UserError."""
+    if path in SHIPPED_MODELS:
+        d = SHIPPED_MODELS[path]
+        if not (d / "model_index.json").is_file():
+            raise UserError(f"model.path={path}: {d} is missing; it ships with the gerl repository (reinstall from a "
+                            f"clone), or rebuild it with `python scripts/pretrain_ocr_mini.py --out {d}`")
+        return str(d)
+    return path
 
 
 def resolve_device(name: str) -> torch.device:
@@ -26,12 +39,13 @@ def resolve_device(name: str) -> torch.device:
 
 
 def load_pipeline(path: str, dtype: str = "fp32", device: str = "auto", tiny_seed: int = 0):
-    """StableDiffusion3Pipeline from "tiny", a local diffusers directory, or a hub id (from the local HF cache
+    """StableDiffusion3Pipeline from "tiny", a shipped model ("ocr-mini"), a local diffusers directory, or a hub id (from the local HF cache
     or downloaded). Errors name the path and what to do."""
     from diffusers import StableDiffusion3Pipeline
 
     if dtype not in DTYPES:
         raise UserError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    path = resolve_model_path(path)
     if path == "tiny":
         from gerl.models.tiny import build_tiny_sd3
 
