@@ -29,12 +29,24 @@ def cmd_train(args) -> int:
     from gerl.config import load_config
 
     cfg = load_config(args.config, args.overrides)  # before the heavy imports: a bad config fails in milliseconds
+    if args.print_config:
+        print(resolved_config_yaml(cfg), end="")
+        return 0
     _quiet_libraries()
     from gerl.trainer import train
 
     run_dir = train(cfg)
     print(f"gerl: run written to {run_dir}  (metrics.jsonl, tensorboard/, samples/, checkpoints/)")
     return 0
+
+
+def resolved_config_yaml(cfg) -> str:
+    """The config as `train` would run it (defaults, preset and overrides applied; secrets redacted), followed by
+    the derived batch arithmetic as YAML comments."""
+    from gerl.config import derived_sizes, to_yaml, trained_steps_per_sample
+
+    sizes = derived_sizes(cfg, trained_steps_per_sample(cfg))
+    return to_yaml(cfg) + "".join(f"# derived: {k} = {v}\n" for k, v in sizes.items())
 
 
 def _pipeline_for(args):
@@ -168,6 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train with a YAML config and dotted key=value overrides")
     t.add_argument("config")
     t.add_argument("overrides", nargs="*", help="e.g. train.learning_rate=3e-4 output_dir=runs/x")
+    t.add_argument("--print-config", action="store_true",
+                   help="print the fully resolved config as YAML and exit, writing nothing")
     t.set_defaults(fn=cmd_train)
     s = sub.add_parser("sample", help="generate images from the base model or a LoRA")
     _model_args(s)
@@ -199,7 +213,15 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in argv
     if debug:
         argv.remove("--debug")
+    print_config = "--print-config" in argv  # taken out first so it may sit anywhere among the key=value overrides
+    if print_config:
+        argv.remove("--print-config")
     args = build_parser().parse_args(argv)
+    if print_config and args.command != "train":
+        print("gerl: error: --print-config only applies to `gerl train`", file=sys.stderr)
+        return 2
+    if args.command == "train":
+        args.print_config = print_config
     try:
         return args.fn(args)
     except UserError as e:

@@ -72,7 +72,7 @@ class TrainConfig:
     inner_epochs: int = 1  # passes over each step's batch
     mini_batch_size: int = 0  # samples per optimizer step; 0 = all images of the step (one update per epoch)
     micro_batch_size: int = 8  # samples per forward/backward; gradients accumulate up to mini_batch_size
-    clip_range: float = 1e-4  # PPO ratio clip ε (Flow-GRPO uses 1e-4 on the per-element log-prob)
+    clip_range: float = 1e-4  # PPO ratio clip ε; its scale depends on conventions.*_log_prob (Flow-GRPO: 1e-4 for its SDE configs, 1e-5 for CPS with squared_error; GeRL: 1e-5)
     adv_clip_max: float = 5.0  # advantages are clamped to [−adv_clip_max, adv_clip_max]
     beta: float = 0.0  # KL penalty weight to the reference policy (0 = no reference forward)
     max_grad_norm: float = 1.0  # gradient-norm clipping (0 = off)
@@ -160,6 +160,81 @@ class CheckpointConfig:
 
 
 @dataclass
+class ConventionsConfig:
+    """Where the peers' code and gerl's differ in a formula, not a hyperparameter (docs/conventions.md has the table).
+
+    A preset fills in every convention of a peer (and the few settings elsewhere that belong to it, e.g.
+    train.advantage and the OCR reward's normalisation); keys given explicitly in the config or on the command
+    line win over the preset. `gerl train CONFIG --print-config` shows what was resolved.
+    """
+    preset: Literal["gerl", "flow_grpo", "gerl_mm_grpo"] = "gerl"  # gerl = the defaults below; flow_grpo / gerl_mm_grpo = that peer's code exactly
+    sde_log_prob: Literal["gaussian", "squared_error"] = "gaussian"  # SDE step log-prob: gaussian = mean[−(x−μ)²/(2s²)] − log s − log√(2π) (all three codes); squared_error = mean[−(x−μ)²]
+    cps_log_prob: Literal["gaussian", "squared_error"] = "gaussian"  # CPS step log-prob, as above; Flow-GRPO and GeRL use squared_error, so their log-ratios are 2s² × gerl's
+    kl_std: Literal["transition", "noise_coef"] = "transition"  # KL = ‖μ−μ_ref‖²/(2s²) with s = the transition std (exact KL) or the peers' std_dev_t (g for SDE, no √(−dt); same for CPS)
+    group_std: Literal["biased", "unbiased"] = "biased"  # std estimator of group/global advantages: biased divides by n (Flow-GRPO), unbiased by n − 1 (GeRL)
+
+
+# A preset: dotted config keys → values, applied where the config does not set the key itself. "ocr:" keys go to
+# the kwargs of every OCR reward (reward.kwargs when reward.name is ocr, and each ocr component's kwargs).
+PRESETS: dict[str, dict[str, Any]] = {
+    "gerl": {},
+    "flow_grpo": {  # yifan123/flow_grpo: sd3_sde_with_logprob.py, train_sd3.py, stat_tracking.py, ocr.py
+        "conventions.sde_log_prob": "gaussian",
+        "conventions.cps_log_prob": "squared_error",
+        "conventions.kl_std": "noise_coef",
+        "conventions.group_std": "biased",
+        "train.advantage": "global_std",  # sample.global_std = True in base.py and every SD3 config
+        "train.per_prompt_tracker": False,  # its PerPromptStatTracker is cleared every epoch: this step's group
+        "ocr:strip": "spaces",
+        "ocr:strict_confidence": True,
+    },
+    "gerl_mm_grpo": {  # GeRL (leibniz-csi/mm_grpo): scheduling_flow_match_sde_discrete.py, core_algos.py, ocr.py
+        "conventions.sde_log_prob": "gaussian",
+        "conventions.cps_log_prob": "squared_error",
+        "conventions.kl_std": "noise_coef",
+        "conventions.group_std": "unbiased",
+        "train.advantage": "global_std",  # algorithm.global_std = True in ppo_trainer.yaml
+        "train.per_prompt_tracker": False,
+        "ocr:strip": "spaces",
+        "ocr:strict_confidence": True,
+    },
+}
+OCR_REWARDS = ("ocr",)  # reward names whose kwargs take the preset's "ocr:" keys
+
+
+def apply_preset(data: dict) -> dict:
+    """Fill the preset named in data["conventions"]["preset"] into the raw config mapping, in place, never
+    overwriting a key the config sets. An unknown preset is left for the type check to report."""
+    conv = data.get("conventions")
+    name = conv.get("preset", "gerl") if isinstance(conv, dict) else "gerl"
+    preset = PRESETS.get(name) if isinstance(name, str) else None
+    if not preset:
+        return data
+    reward = data.get("reward") if isinstance(data.get("reward"), dict) else {}
+    ocr_kwargs = []
+    comps = reward.get("components")
+    if isinstance(comps, list) and comps:
+        ocr_kwargs = [c.setdefault("kwargs", {}) for c in comps if isinstance(c, dict) and c.get("name") in OCR_REWARDS]
+    elif reward.get("name", RewardConfig.name) in OCR_REWARDS:
+        ocr_kwargs = [data.setdefault("reward", {}).setdefault("kwargs", {})]
+    for key, value in preset.items():
+        if key.startswith("ocr:"):
+            for kw in ocr_kwargs:
+                if isinstance(kw, dict):
+                    kw.setdefault(key[4:], value)
+            continue
+        *path, leaf = key.split(".")
+        node = data
+        for k in path:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                break
+        else:
+            node.setdefault(leaf, value)
+    return data
+
+
+@dataclass
 class Config:
     output_dir: str = "runs/default"  # run directory: config.yaml, metrics.jsonl, tensorboard/, checkpoints/, samples/
     max_steps: int = 100  # training steps (one rollout batch + its updates each)
@@ -176,6 +251,7 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    conventions: ConventionsConfig = field(default_factory=ConventionsConfig)
 
 
 # ---------------------------------------------------------------- parsing ------------------------------------------
@@ -299,6 +375,7 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
             if not isinstance(node, dict):
                 raise UserError(f"override {item!r}: {k} is not a section")
         node[keys[-1]] = value
+    apply_preset(data)
     errors: list[str] = []
     cfg = _build(Config, data, "", errors)
     if not errors:

@@ -97,7 +97,8 @@ class Trainer:
             self.engine = RayEngine(cfg)
         self.sampler = PromptSampler(self.train_prompts, cfg.data.prompts_per_step, cfg.seed)
         self.sampler_after: dict[int, dict] = {}  # step → sampler position after drawing that step's prompts
-        self.tracker = PerPromptTracker(cfg.train.tracker_buffer) if cfg.train.per_prompt_tracker else None
+        unbiased = cfg.conventions.group_std == "unbiased"
+        self.tracker = PerPromptTracker(cfg.train.tracker_buffer, unbiased) if cfg.train.per_prompt_tracker else None
         self.start_step = 0
         self.counters = {k: 0 for k in (
             "nonfinite_reward_steps_skipped", "nonfinite_updates_skipped", "reward_failed_samples_total",
@@ -169,7 +170,8 @@ class Trainer:
         if self.tracker is not None:
             adv = self.tracker.advantages(batch.prompts, batch.rewards).clamp(-cfg.adv_clip_max, cfg.adv_clip_max)
         else:
-            adv = compute_advantages(cfg.advantage, batch.rewards, batch.group_ids, cfg.adv_clip_max)
+            adv = compute_advantages(cfg.advantage, batch.rewards, batch.group_ids, cfg.adv_clip_max,
+                                     unbiased=self.cfg.conventions.group_std == "unbiased")
         return -adv if cfg.flip_advantage else adv
 
     @torch.no_grad()

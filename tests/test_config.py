@@ -94,11 +94,11 @@ def test_every_gpu_launcher_validates(script):
 
     lines = script.read_text().splitlines()
     assert lines[1].startswith(f"# bash recipes/{script.name}"), "a launcher opens with its launch command"
-    exec_line = next(line for line in lines if line.startswith("exec "))
+    exec_line = next(line for line in lines if "exec bash" in line)
     words = shlex.split(exec_line)
     overrides = [w for w in words if "=" in w and not w.startswith("$") and "." in w.split("=")[0]]
     assert overrides, exec_line
-    load_config(str(REPO / "recipes" / "sd3_fast_ocr_1gpu.yaml"), overrides)
+    load_config(str(REPO / "recipes" / "gerl_sd3_fast_ocr.yaml"), overrides)
 
 
 def test_gpu_launchers_exist():

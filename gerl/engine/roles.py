@@ -125,7 +125,7 @@ class ActorRole:
         sizes = derived_sizes(cfg, trained_steps_per_sample(cfg))
         self.worker = ActorWorker(self.pipe.transformer, cfg.train, cfg.model, cfg.sampling, cfg.max_steps,
                                   sizes["images_per_step"], cfg.seed, world=world, grad_sync=grad_sync,
-                                  ratio_cap=cfg.engine.ratio_cap)
+                                  ratio_cap=cfg.engine.ratio_cap, conventions=cfg.conventions)
 
     def pid(self) -> int:
         return os.getpid()
