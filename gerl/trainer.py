@@ -9,7 +9,6 @@ generation runs ahead of training: 0 batches (sync) or up to engine.max_stalenes
 from __future__ import annotations
 
 import math
-import os
 import sys
 import time
 from collections import deque
@@ -24,10 +23,11 @@ from gerl.config import Config, derived_sizes, redact, reward_components, to_dic
 from gerl.data.prompts import Prompt, PromptSampler, load_prompts
 from gerl.errors import RunAborted, UserError
 from gerl.logging.images import image_grid
-from gerl.logging.metrics import MetricsLogger
+from gerl.logging.metrics import MetricsLogger, read_jsonl
 from gerl.logging.throughput import tracker_for
 from gerl.logging.timeline import Timeline, truncate_timeline
 from gerl.models.loader import lora_file
+from gerl.paths import check_writable
 from gerl.workers.batch import RolloutBatch, subset
 from gerl.workers.reward import RewardResult
 from rewards.registry import build_reward, validate_reward_inputs
@@ -44,11 +44,7 @@ class Prepared:
 
 def _check_output_dir(cfg: Config) -> None:
     out = Path(cfg.output_dir)
-    probe = out
-    while not probe.exists():
-        probe = probe.parent
-    if not probe.is_dir() or not os.access(probe, os.W_OK):
-        raise UserError(f"output_dir {out} is not writable ({probe} is not a writable directory); choose another output_dir")
+    check_writable(out, f"output_dir {out}")
     if out.is_dir() and (out / "metrics.jsonl").exists() and cfg.resume == "false" and not cfg.overwrite:
         raise UserError(f"output_dir {out} already holds a run; pass resume=true to continue it, overwrite=true to "
                         "start over, or choose another output_dir")
@@ -71,6 +67,9 @@ def prepare(cfg: Config) -> Prepared:
         lora_file(cfg.model.init_lora)
     _check_output_dir(cfg)
     resume_from = find_resume_checkpoint(Path(cfg.output_dir), cfg.resume)
+    if resume_from is not None:  # a damaged line inside the logs fails here, before config.yaml is rewritten
+        for log in ("metrics.jsonl", "timeline.jsonl"):
+            read_jsonl(Path(cfg.output_dir) / log)
     pipe = None
     if cfg.engine.kind == "local":
         from gerl.engine.roles import build_pipeline
