@@ -100,3 +100,105 @@ def test_sample_with_missing_lora(capsys, tmp_path):
     _fails(capsys, ["sample", "--lora", str(tmp_path / "missing"), "--prompt", "x", "--out", str(tmp_path / "o")],
            "does not exist")
     assert not (tmp_path / "o").exists()
+
+
+# ------------------------------------------------------------------ bad input through the real executable
+#
+# One row per class of bad input, run by the installed `gerl` console script in a fresh process: exit 2, exactly one
+# stderr line naming the problem, no traceback, and the sandbox directory holds nothing new afterwards.
+
+BROKEN_MODULES = {
+    "broken_at_import.py": "raise ValueError('this reward module is broken at import')\n",
+    "raising_reward.py": "def reward(images, prompts, metadata):\n    raise ZeroDivisionError('bad reward math')\n",
+    "picky_factory.py": ("from rewards.registry import reward_factory\n\n@reward_factory\ndef make(scale: float = 1.0):\n"
+                         "    if scale <= 0:\n        raise ValueError('scale must be positive')\n"
+                         "    return lambda images, prompts, metadata: [scale] * len(images)\n"),
+}
+TRAIN = ["train", RECIPE, *FAST]
+PROMPT = ["--prompt", 'a sign that says "hi"']
+
+# (case id, argv with {tmp} placeholders, text the one stderr line must contain)
+BAD_INPUTS = [
+    # numeric config values out of range, named by key before any model loads
+    ("resolution_0", [*TRAIN, "output_dir={tmp}/run", "model.resolution=0"], "model.resolution=0 must be ≥ 16"),
+    ("adv_clip_negative", [*TRAIN, "output_dir={tmp}/run", "train.adv_clip_max=-1"], "train.adv_clip_max=-1.0 must be > 0"),
+    ("seed_negative", [*TRAIN, "output_dir={tmp}/run", "seed=-1"], "seed=-1 must be in"),
+    ("checkpoint_every_negative", [*TRAIN, "output_dir={tmp}/run", "checkpoint.every=-5"], "checkpoint.every=-5"),
+    ("unknown_key_and_range", [*TRAIN, "output_dir={tmp}/run", "train.lr=1", "validation.every=-2"],
+     "did you mean 'train.learning_rate'?); validation.every=-2"),
+    # numeric flags of sample out of range
+    ("sample_n_0", ["sample", *PROMPT, "--n", "0", "--out", "{tmp}/imgs"], "--n 0 must be ≥ 1"),
+    ("sample_batch_0", ["sample", *PROMPT, "--batch-size", "0", "--out", "{tmp}/imgs"], "--batch-size 0 must be ≥ 1"),
+    ("sample_resolution_60", ["sample", *PROMPT, "--resolution", "60", "--out", "{tmp}/imgs"], "multiple of 16"),
+    ("sample_steps_0", ["sample", *PROMPT, "--num-steps", "0", "--out", "{tmp}/imgs"], "--num-steps 0 must be ≥ 1"),
+    # kwargs flags that are not a JSON object
+    ("eval_kwargs_list", ["eval", *PROMPT, "--reward", "jpeg_compressibility", "--reward-kwargs", "[1, 2]"],
+     "--reward-kwargs must be a JSON object"),
+    ("score_kwargs_bad_json", ["score", "jpeg_compressibility", "{tmp}/img.png", "--kwargs", "{{oops"],
+     "--kwargs is not valid JSON"),
+    # reward modules that fail: at import (train, eval, score), in the factory, inside the call
+    ("train_reward_import", [*TRAIN, "output_dir={tmp}/run", "reward.name=broken_at_import:reward"],
+     "raised ValueError: this reward module is broken at import"),
+    ("eval_reward_import", ["eval", *PROMPT, "--reward", "broken_at_import:reward"], "broken at import"),
+    ("score_reward_import", ["score", "broken_at_import:reward", "{tmp}/img.png"], "broken at import"),
+    ("score_factory_raises", ["score", "picky_factory:make", "{tmp}/img.png", "--kwargs", '{{"scale": -1}}'],
+     "raised ValueError: scale must be positive"),
+    ("score_reward_raises", ["score", "raising_reward:reward", "{tmp}/img.png"],
+     "reward 'raising_reward:reward' raised ZeroDivisionError: bad reward math"),
+    # a LoRA path to a file that is not a LoRA
+    ("train_init_lora_text", [*TRAIN, "output_dir={tmp}/run", "model.init_lora={tmp}/img.png"],
+     "not a readable safetensors file"),
+    ("sample_lora_not_lora", ["sample", *PROMPT, "--lora", "{tmp}/plain.safetensors", "--out", "{tmp}/imgs"],
+     "holds no LoRA weights"),
+    # outputs that cannot be written (/proc refuses new files even to root, unlike what os.access says)
+    ("train_output_proc", [*TRAIN, "output_dir=/proc/gerl_run"], "output_dir /proc/gerl_run is not writable"),
+    ("sample_out_proc", ["sample", *PROMPT, "--out", "/proc/gerl_imgs"], "--out /proc/gerl_imgs is not writable"),
+    ("eval_out_proc", ["eval", *PROMPT, "--reward", "jpeg_compressibility", "--out", "/proc/gerl/eval.json"],
+     "--out /proc/gerl/eval.json is not writable"),
+    ("report_out_proc", ["report", "{tmp}/fake_run", "--out", "/proc/gerl/report.html"],
+     "--out /proc/gerl/report.html is not writable"),
+]
+
+
+def _sandbox(tmp_path: Path) -> None:
+    from PIL import Image
+    from safetensors.torch import save_file
+    import torch
+
+    for name, text in BROKEN_MODULES.items():
+        (tmp_path / name).write_text(text)
+    Image.new("RGB", (32, 32), "white").save(tmp_path / "img.png")
+    save_file({"weight": torch.zeros(2, 2)}, str(tmp_path / "plain.safetensors"))
+    (tmp_path / "fake_run").mkdir()
+    (tmp_path / "fake_run" / "metrics.jsonl").write_text('{"step": 1, "reward_mean": 0.5}\n')
+
+
+def _snapshot(root: Path) -> dict:
+    return {str(p.relative_to(root)): p.stat().st_size for p in root.rglob("*")}
+
+
+@pytest.mark.parametrize("case, argv, expected", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, case, argv, expected):
+    import os
+
+    _sandbox(tmp_path)
+    before = _snapshot(tmp_path)
+    exe = Path(sys.executable).parent / "gerl"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([str(exe), *[a.format(tmp=tmp_path) for a in argv]], capture_output=True, text=True,
+                       timeout=300, cwd=tmp_path, env=env)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2, r.stderr
+    assert len(lines) == 1 and lines[0].startswith("gerl: error: ") and "Traceback" not in r.stderr, r.stderr
+    assert expected in lines[0], lines[0]
+    assert _snapshot(tmp_path) == before, "a refused command must not write anything"
+
+
+def test_version_and_train_usage():
+    exe = Path(sys.executable).parent / "gerl"
+    r = subprocess.run([str(exe), "--version"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.startswith("gerl ") and r.stdout.split()[1][0].isdigit(), r.stdout
+    r = subprocess.run([str(exe), "train"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert "[key=value ...]" in r.stderr  # overrides are shown as optional...
+    assert "required: CONFIG.yaml" in r.stderr and "key=value" not in r.stderr.splitlines()[-1]  # ...and not required
