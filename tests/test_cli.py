@@ -80,14 +80,32 @@ def test_output_dir_not_writable(capsys, tmp_path):
 
 
 def test_sample_and_eval_with_a_trained_lora(capsys, tmp_path):
+    from PIL import Image
+
+    # A run whose settings differ from the CLI defaults: sample/eval must take them from its config.yaml.
     assert main(["train", RECIPE, f"output_dir={tmp_path / 'run'}", *FAST, "data.prompts_per_step=1",
                  "data.group_size=4", "sampling.micro_batch_size=4", "train.mini_batch_size=4",
-                 "train.micro_batch_size=4"]) == 0
+                 "train.micro_batch_size=4", "model.resolution=32", "model.tiny_seed=3",
+                 "sampling.eval_num_steps=3"]) == 0
     ckpt = tmp_path / "run/checkpoints/step_000001"
     assert (ckpt / "pytorch_lora_weights.safetensors").is_file()
-    assert main(["sample", "--lora", str(ckpt), "--prompt", 'a sign that says "hi"', "--n", "2", "--num-steps", "4",
+    capsys.readouterr()
+    assert main(["sample", "--lora", str(ckpt), "--prompt", 'a sign that says "hi"', "--n", "2",
                  "--out", str(tmp_path / "imgs")]) == 0
+    note = capsys.readouterr().err
+    assert "model.resolution=32" in note and "model.tiny_seed=3" in note and "sampling.eval_num_steps=3" in note
     assert sorted(p.name for p in (tmp_path / "imgs").iterdir()) == ["0000.png", "0001.png", "grid.png"]
+    with Image.open(tmp_path / "imgs/0000.png") as im:
+        assert im.size == (32, 32)
+    # a flag still wins over the run's config
+    assert main(["sample", "--lora", str(ckpt / "pytorch_lora_weights.safetensors"), "--prompt", "x",
+                 "--resolution", "48", "--num-steps", "2", "--out", str(tmp_path / "imgs48")]) == 0
+    with Image.open(tmp_path / "imgs48/0000.png") as im:
+        assert im.size == (48, 48)
+    # the same seed, steps and run settings give the same image whether they come from config.yaml or from flags
+    assert main(["sample", "--lora", str(ckpt), "--prompt", 'a sign that says "hi"', "--n", "2", "--resolution", "32",
+                 "--num-steps", "3", "--model", "tiny", "--out", str(tmp_path / "explicit")]) == 0
+    assert (tmp_path / "explicit/0000.png").read_bytes() == (tmp_path / "imgs/0000.png").read_bytes()
     capsys.readouterr()
     assert main(["eval", "--lora", str(ckpt), "--prompts", str(REPO / "assets/ocr/test.txt"), "--num-prompts", "3",
                  "--num-steps", "4", "--reward", "jpeg_compressibility", "--out", str(tmp_path / "eval.json")]) == 0
