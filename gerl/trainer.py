@@ -22,7 +22,7 @@ from gerl.checkpoint import find_resume_checkpoint
 from gerl.config import Config, derived_sizes, redact, reward_components, to_dict, to_yaml, trained_steps_per_sample
 from gerl.data.prompts import Prompt, PromptSampler, load_prompts
 from gerl.errors import RunAborted, UserError
-from gerl.logging.images import image_grid
+from gerl.logging.images import image_grid, save_grid_captions
 from gerl.logging.metrics import MetricsLogger, read_jsonl
 from gerl.logging.throughput import tracker_for
 from gerl.logging.timeline import Timeline, truncate_timeline
@@ -180,6 +180,7 @@ class Trainer:
         valid = [float(v) for v in res.total if math.isfinite(float(v))]
         grid = image_grid(images)
         grid.save(self.run_dir / "samples" / f"val_step_{step:06d}.png")
+        save_grid_captions(self.run_dir / "samples" / f"val_step_{step:06d}.json", prompts, res.total)
         self.logger.log_image("validation/images", grid, step)
         return {"val_reward_mean": sum(valid) / max(len(valid), 1), "val_num_prompts": len(prompts),
                 "validate_s": time.perf_counter() - t0}
