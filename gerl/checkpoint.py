@@ -161,8 +161,13 @@ def verify_resume_checkpoint(path: Path) -> None:
 def load_checkpoint(path: Path, actor) -> dict:
     """Restore the actor (weights, optimizer, LR schedule, EMA) and RNGs; return the JSON state for the rest."""
     state = json.loads((path / "trainer_state.json").read_text())
-    actor.load_trainable_state(load_file(str(path / "trainable.safetensors")))
-    actor.optimizer.load_state_dict(_optimizer_from_flat(load_file(str(path / "optimizer.safetensors")), state["optimizer"]))
+    try:
+        actor.load_trainable_state(load_file(str(path / "trainable.safetensors")))
+        actor.optimizer.load_state_dict(_optimizer_from_flat(load_file(str(path / "optimizer.safetensors")),
+                                                             state["optimizer"]))
+    except (ValueError, RuntimeError, KeyError) as e:  # shapes or names of another model / LoRA rank / targets
+        raise UserError(f"checkpoint {path} does not fit this config ({str(e).splitlines()[0][:160]}); resume with the "
+                        f"model and LoRA settings it was trained with (see {Path(path).parent.parent / 'config.yaml'})") from None
     sched = actor.lr_scheduler.state_dict()
     sched.update({k: v for k, v in state["lr_scheduler"].items() if k in sched})
     actor.lr_scheduler.load_state_dict(sched)

@@ -195,6 +195,7 @@ def cmd_eval(args) -> int:
     result = {"reward": args.reward, "lora": args.lora, "num_prompts": len(texts), "mean": mean,
               "scores": [{"prompt": t, "score": s} for t, s in zip(texts, scores)]}
     if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "scores"}))
     return 0

@@ -90,3 +90,11 @@ def test_damaged_line_inside_metrics_is_refused_before_config_is_rewritten(two_c
     with pytest.raises(UserError, match=r"metrics.jsonl line 1 is not JSON"):
         train(small_config(run, "max_steps=3", "resume=true", "train.learning_rate=5e-4"))
     assert (run / "config.yaml").read_text() == config
+
+
+def test_checkpoint_of_another_lora_shape_is_refused_before_config_is_rewritten(two_checkpoints, tmp_path):
+    run = _copy(two_checkpoints, tmp_path)
+    config = (run / "config.yaml").read_text()
+    with pytest.raises(UserError, match=r"does not fit this config .*resume with the model and LoRA settings"):
+        train(small_config(run, "max_steps=3", "resume=true", "model.lora_rank=2", "model.lora_alpha=4"))
+    assert (run / "config.yaml").read_text() == config

@@ -175,6 +175,9 @@ BAD_INPUTS = [
      "--out /proc/gerl/eval.json is not writable"),
     ("report_out_proc", ["report", "{tmp}/fake_run", "--out", "/proc/gerl/report.html"],
      "--out /proc/gerl/report.html is not writable"),
+    # an immutable directory (chattr +i): root may write anywhere else, but not there
+    ("train_output_immutable", [*TRAIN, "output_dir={tmp}/immutable/run"], "immutable/run is not writable"),
+    ("sample_out_immutable", ["sample", *PROMPT, "--out", "{tmp}/immutable"], "--out {tmp}/immutable is not writable"),
 ]
 
 
@@ -195,10 +198,23 @@ def _snapshot(root: Path) -> dict:
     return {str(p.relative_to(root)): p.stat().st_size for p in root.rglob("*")}
 
 
+@pytest.fixture
+def immutable_dir(tmp_path):
+    """tmp_path/immutable with the immutable attribute set (needs CAP_LINUX_IMMUTABLE; skipped without it)."""
+    d = tmp_path / "immutable"
+    d.mkdir()
+    if subprocess.run(["chattr", "+i", str(d)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not permitted here")
+    yield d
+    subprocess.run(["chattr", "-i", str(d)], check=True)
+
+
 @pytest.mark.parametrize("case, argv, expected", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
-def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, case, argv, expected):
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(request, tmp_path, case, argv, expected):
     import os
 
+    if "immutable" in case:
+        request.getfixturevalue("immutable_dir")
     _sandbox(tmp_path)
     before = _snapshot(tmp_path)
     exe = Path(sys.executable).parent / "gerl"
@@ -208,7 +224,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, case, argv, e
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2, r.stderr
     assert len(lines) == 1 and lines[0].startswith("gerl: error: ") and "Traceback" not in r.stderr, r.stderr
-    assert expected in lines[0], lines[0]
+    assert expected.format(tmp=tmp_path) in lines[0], lines[0]
     assert _snapshot(tmp_path) == before, "a refused command must not write anything"
 
 
