@@ -77,7 +77,8 @@ def _resolve_settings(args) -> None:
         try:
             run_cfg = yaml.safe_load(run_cfg_path.read_text()) or {}
         except (OSError, yaml.YAMLError) as e:
-            raise UserError(f"cannot read {run_cfg_path} ({e}); fix it or pass --model, --resolution, ... explicitly")
+            raise UserError(f"cannot read {run_cfg_path} ({str(e).splitlines()[0]}); fix it or pass --model, "
+                            "--resolution, ... explicitly") from None
     taken = []
     for dest, key in RUN_SETTINGS:
         if getattr(args, dest, None) is not None:

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from gerl.config import Config, derived_sizes, load_config, trained_steps_per_sample, validate
+from gerl.config import (RANGES, Config, RewardComponent, derived_sizes, load_config, numeric_fields,
+                         trained_steps_per_sample, validate)
 from gerl.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -109,9 +110,6 @@ def test_gpu_launchers_exist():
 
 
 # ------------------------------------------------------------------ ranges of every numeric field
-
-from gerl.config import RANGES, RewardComponent, numeric_fields  # noqa: E402
-
 
 def _tree_with_every_field():
     """The default tree plus one reward component, so the component fields are walked too."""
