@@ -114,6 +114,25 @@ def test_sample_and_eval_with_a_trained_lora(capsys, tmp_path):
     assert len(json.loads((tmp_path / "eval.json").read_text())["scores"]) == 3
 
 
+def test_training_starts_from_model_init_lora(tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    small = [*FAST, "data.prompts_per_step=1", "data.group_size=4", "sampling.micro_batch_size=4",
+             "train.mini_batch_size=4", "train.micro_batch_size=4"]
+    assert main(["train", RECIPE, f"output_dir={tmp_path / 'a'}", *small, "train.learning_rate=0.05"]) == 0
+    start = tmp_path / "a/checkpoints/step_000001"
+    # a learning rate too small to move the weights: run b must end where run a's LoRA began it
+    assert main(["train", RECIPE, f"output_dir={tmp_path / 'b'}", *small, f"model.init_lora={start}",
+                 "train.learning_rate=1e-12"]) == 0
+    a = load_file(str(start / "trainable.safetensors"))
+    b = load_file(str(tmp_path / "b/checkpoints/step_000001/trainable.safetensors"))
+    assert a.keys() == b.keys()
+    assert any(k for k in a if "lora_B" in k and a[k].abs().max() > 0), "run a's LoRA must have moved off zero"
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-6)
+
+
 def test_sample_with_missing_lora(capsys, tmp_path):
     _fails(capsys, ["sample", "--lora", str(tmp_path / "missing"), "--prompt", "x", "--out", str(tmp_path / "o")],
            "does not exist")
