@@ -12,7 +12,8 @@ Every score is the model's own raw number, never rescaled behind the user's back
 
 Models load lazily, once per process, on the first call (the reward objects pickle without them, so every pool
 works: thread, process, or a Ray replica on its own GPU), on CUDA in fp16 when there is a GPU, else on CPU in fp32.
-A model is a hub id (from the local Hugging Face cache, downloaded if online) or a local directory.
+A model is a hub id (from the local Hugging Face cache, downloaded if online) or a local directory. The torch side
+(score math, the aesthetic head, loading) is rewards/clip_models.py, imported on the first call.
 """
 
 from __future__ import annotations
