@@ -44,6 +44,23 @@ def model_source(spec: str, what: str) -> str:
     return spec
 
 
+def check_available(spec: str, filename: str, what: str) -> None:
+    """Start-up check, without loading: a local directory must hold `filename`; with HF_HUB_OFFLINE set, a hub id
+    must be in the Hugging Face cache (offline, a missing model would otherwise only fail at the first reward call)."""
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return
+    if path.is_dir():
+        if not (path / filename).is_file():
+            raise UserError(f"{what} directory {spec} holds no {filename}; point it at a saved model directory")
+        return
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if constants.HF_HUB_OFFLINE and not isinstance(try_to_load_from_cache(spec, filename), str):
+        raise UserError(f"{what} {spec!r} is not in the Hugging Face cache and HF_HUB_OFFLINE is set; download it "
+                        f"first where there is network (`hf download {spec}`) or pass a local directory")
+
+
 class LazyModelReward:
     """Base of the model rewards: holds settings; the first call in each process loads the model (under a lock).
 
@@ -134,11 +151,13 @@ class ClipSimilarityReward(LazyModelReward):
         return logits.tolist(), {"cosine": cosine.tolist()}
 
     def validate(self, prompts: list[str], metadata: list[dict]) -> None:
-        """Every image needs a prompt to be compared with."""
+        """Every image needs a prompt to be compared with; the model must be findable (see `check_available`)."""
         empty = [i for i, p in enumerate(prompts) if not str(p).strip()]
         if empty:
             raise UserError(f"{self.name}: {len(empty)} of {len(prompts)} prompts are empty (first is #{empty[0] + 1}); "
                             f"it scores image–prompt agreement, so give every image its prompt (gerl score: --prompt)")
+        check_available(self.model_id, "config.json", f"{self.name} model")
+        check_available(self.processor_id, "tokenizer_config.json", f"{self.name} processor")
 
 
 class AestheticReward(LazyModelReward):
@@ -164,6 +183,12 @@ class AestheticReward(LazyModelReward):
 
     def __repr__(self) -> str:
         return f"AestheticReward(model={self.model_id!r}, head={self.head_id!r}, head_file={self.head_file!r})"
+
+    def validate(self, prompts: list[str], metadata: list[dict]) -> None:
+        """The CLIP model and the head must be findable (see `check_available`); prompts are not used."""
+        check_available(self.model_id, "config.json", "aesthetic model")
+        check_available(self.processor_id, "tokenizer_config.json", "aesthetic processor")
+        check_available(self.head_id, self.head_file, "aesthetic head")
 
     def _build(self, device, dtype):
         from rewards.clip_models import load_aesthetic_head, load_clip

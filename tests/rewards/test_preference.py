@@ -246,7 +246,7 @@ def test_gerl_score_without_a_prompt_is_one_line(clip_dir, tmp_path, capsys, ima
     assert code == 2 and len(err) == 1 and "prompts are empty" in err[0] and "--prompt" in err[0], err
 
 
-def test_uncached_hub_model_offline_is_one_line_as_a_real_process(tmp_path, images):
+def test_uncached_hub_model_offline_is_one_line_before_loading_as_a_real_process(tmp_path, images):
     images[0].save(tmp_path / "a.png")
     exe = Path(sys.executable).parent / "gerl"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
@@ -255,8 +255,25 @@ def test_uncached_hub_model_offline_is_one_line_as_a_real_process(tmp_path, imag
                        capture_output=True, text=True, timeout=120, env=env)
     err = [ln for ln in r.stderr.strip().splitlines() if ln.startswith("gerl: error:")]
     assert r.returncode == 2 and len(err) == 1, r.stderr[-2000:]
-    assert "cannot load CLIP model 'gerl-test/no-such-model'" in err[0] and "hf download" in err[0]
-    assert "Traceback" not in r.stderr
+    assert "pickscore model 'gerl-test/no-such-model' is not in the Hugging Face cache" in err[0], err[0]
+    assert "hf download" in err[0] and "Traceback" not in r.stderr
+
+
+def test_a_model_that_fails_to_load_is_one_line(tmp_path, images):
+    """Past the start-up check (a directory with a config.json but no weights): the load error names the model."""
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")
+    reward = build_reward("clipscore", {"model": str(broken)})
+    with pytest.raises(UserError, match=r"cannot load CLIP model '.*broken'.*pass a local directory"):
+        reward(images[:1], ["x"], [{}])
+
+
+def test_start_up_check_names_a_directory_without_the_model(tmp_path, clip_dir):
+    with pytest.raises(UserError, match=r"clipscore model directory .* holds no config.json"):
+        validate_reward_inputs(build_reward("clipscore", {"model": str(tmp_path)}), ["x"], [{}])
+    with pytest.raises(UserError, match=r"aesthetic head directory .* holds no aesthetic-model.pth"):
+        validate_reward_inputs(build_reward("aesthetic", {"model": str(clip_dir), "head": str(tmp_path)}), [""], [{}])
 
 
 # ---- bad settings ------------------------------------------------------------------------------------------------
