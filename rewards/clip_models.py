@@ -107,7 +107,8 @@ def load_aesthetic_head(spec: str, filename: str, in_dim: int) -> AestheticHead:
     try:
         head.load_state_dict(state)
     except RuntimeError as e:
-        raise UserError(f"aesthetic head {spec} does not fit the LAION MLP ({str(e).strip().splitlines()[0]})") from None
+        reason = str(e).strip().splitlines()[0]
+        raise UserError(f"aesthetic head {spec} does not fit the LAION MLP ({reason})") from None
     return head.eval().requires_grad_(False)
 
 

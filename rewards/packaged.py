@@ -19,7 +19,7 @@ import importlib.util
 from collections import defaultdict
 
 from gerl.errors import UserError
-from rewards.preference import LazyModelReward, model_source
+from rewards.preference import LazyModelReward, check_available, model_source
 from rewards.registry import register
 
 HPS_REPO = "xswu/HPSv2"
@@ -40,7 +40,8 @@ class HpsV2Reward(LazyModelReward):
         version: "v2.1" (default, what flow_grpo and verl-omni use) or "v2.0".
         checkpoint: a local HPS checkpoint file (.pt with a "state_dict"), a directory holding it, or a hub repo id
             (default xswu/HPSv2) from which HPS_v2.1_compressed.pt / HPS_v2_compressed.pt is taken.
-        device, dtype, batch_size: as for the CLIP rewards; fp16 on CUDA by default.
+        device, dtype, batch_size: as for the CLIP rewards; on CUDA the fp32 model runs under fp16 autocast by
+            default (what hpsv2 itself does).
     """
 
     name = "hpsv2"
@@ -52,6 +53,10 @@ class HpsV2Reward(LazyModelReward):
         super().__init__(device, dtype, batch_size)
         self.version = version
         self.checkpoint = model_source(checkpoint, "hpsv2 checkpoint")
+
+    def validate(self, prompts: list[str], metadata: list[dict]) -> None:
+        """The HPS checkpoint must be findable (see `rewards.preference.check_available`)."""
+        check_available(self.checkpoint, HPS_FILES[self.version], "hpsv2 checkpoint")
 
     def _build(self, device, dtype):
         import torch
@@ -65,14 +70,16 @@ class HpsV2Reward(LazyModelReward):
         path = resolve_file(self.checkpoint, HPS_FILES[self.version], "hpsv2 checkpoint")
         state = torch.load(path, map_location="cpu", weights_only=True)  # {"state_dict": ...}
         model.load_state_dict(state.get("state_dict", state))
-        return model.to(device=device, dtype=dtype).eval().requires_grad_(False), preprocess, get_tokenizer("ViT-H-14"), device, dtype
+        # fp32 weights under autocast, as hpsv2's own `precision="amp"`: the ViT-H LayerNorms are not cast to fp16
+        return model.to(device).eval().requires_grad_(False), preprocess, get_tokenizer("ViT-H-14"), device, dtype
 
     def _score(self, images, prompts):
         import torch
 
         model, preprocess, tokenizer, device, dtype = self.model()
-        pixels = torch.stack([preprocess(im.convert("RGB")) for im in images]).to(device=device, dtype=dtype)
-        out = model(pixels, tokenizer(list(prompts)).to(device))
+        pixels = torch.stack([preprocess(im.convert("RGB")) for im in images]).to(device)
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            out = model(pixels, tokenizer(list(prompts)).to(device))
         cosine = (out["image_features"].float() * out["text_features"].float()).sum(-1)  # both unit-norm already
         return cosine.tolist(), {}
 

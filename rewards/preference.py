@@ -73,7 +73,8 @@ class LazyModelReward:
         if dtype not in ("auto", "fp32", "fp16", "bf16"):
             raise UserError(f"{self.name}: dtype must be auto, fp32, fp16 or bf16, got {dtype!r}")
         if not isinstance(batch_size, int) or batch_size < 1:
-            raise UserError(f"{self.name}: batch_size must be an int ≥ 1 (images per forward pass), got {batch_size!r}")
+            raise UserError(f"{self.name}: batch_size must be an int ≥ 1 (images per forward pass), "
+                            f"got {batch_size!r}")
         if not isinstance(device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
             raise UserError(f"{self.name}: device must be auto, cpu, cuda or cuda:N, got {device!r}")
         self.device, self.dtype, self.batch_size = device, dtype, batch_size
@@ -154,8 +155,9 @@ class ClipSimilarityReward(LazyModelReward):
         """Every image needs a prompt to be compared with; the model must be findable (see `check_available`)."""
         empty = [i for i, p in enumerate(prompts) if not str(p).strip()]
         if empty:
-            raise UserError(f"{self.name}: {len(empty)} of {len(prompts)} prompts are empty (first is #{empty[0] + 1}); "
-                            f"it scores image–prompt agreement, so give every image its prompt (gerl score: --prompt)")
+            raise UserError(f"{self.name}: {len(empty)} of {len(prompts)} prompts are empty (first is "
+                            f"#{empty[0] + 1}); it scores image–prompt agreement, so give every image its prompt "
+                            f"(gerl score: --prompt)")
         check_available(self.model_id, "config.json", f"{self.name} model")
         check_available(self.processor_id, "tokenizer_config.json", f"{self.name} processor")
 

@@ -44,7 +44,8 @@ def test_a_real_run_with_pickscore_logs_and_plots_its_raw_component(tmp_path):
 def test_components_are_read_under_both_metric_spellings(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
-    (run / "config.yaml").write_text(yaml.safe_dump({"reward": {"components": [{"name": "ocr"}, {"name": "pickscore"}]}}))
+    config = {"reward": {"components": [{"name": "ocr"}, {"name": "pickscore"}]}}
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
     rows = [
         {"step": 1, "reward_mean": 0.1, "reward_raw_mean": 4.0, "reward/ocr_raw": 0.5, "reward/pickscore_raw": 20.0,
          "reward/pickscore/cosine": 0.2},

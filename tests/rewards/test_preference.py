@@ -74,7 +74,8 @@ def test_aesthetic_head_is_the_laion_mlp_on_the_unit_embedding():
     head = AestheticHead(768)
     assert [k for k in head.state_dict()] == [f"layers.{i}.{p}" for i in (0, 2, 4, 6, 7) for p in ("weight", "bias")]
     linears = [m for m in head.layers if isinstance(m, torch.nn.Linear)]
-    assert [(m.in_features, m.out_features) for m in linears] == [(768, 1024), (1024, 128), (128, 64), (64, 16), (16, 1)]
+    shapes = [(m.in_features, m.out_features) for m in linears]
+    assert shapes == [(768, 1024), (1024, 128), (128, 64), (64, 16), (16, 1)]
     assert not any(isinstance(m, (torch.nn.ReLU, torch.nn.GELU)) for m in head.layers)
     head.eval()
     x = torch.randn(4, 768)

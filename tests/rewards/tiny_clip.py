@@ -1,6 +1,6 @@
 """Tiny random-init CLIP models and an aesthetic head, built offline and saved like the real checkpoints (test helper).
 
-    save_tiny_clip(dir)          # a CLIPModel + CLIPProcessor directory (what PickScore_v1 / clip-vit-large-patch14 hold)
+    save_tiny_clip(dir)          # a CLIPModel + CLIPProcessor directory, like clip-vit-large-patch14
     save_aesthetic_head(path)    # the LAION MLP's state dict for that CLIP's projection width
 
 Same architectures as the real models at toy sizes: a 2-layer ViT on 32 px images and a 2-layer text transformer.
