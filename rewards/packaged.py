@@ -48,6 +48,9 @@ class HpsV2Reward(LazyModelReward):
 
     def __init__(self, version: str, checkpoint: str, device: str, dtype: str, batch_size: int):
         require_package("hpsv2", "hpsv2", "hpsv2")
+        if importlib.util.find_spec("_tkinter") is None:  # hpsv2 1.2's open_clip/factory.py does `from turtle import`
+            raise UserError("reward 'hpsv2': the hpsv2 package imports turtle, which needs Tk; install it "
+                            "(apt-get install python3-tk) — see github.com/tgxs002/HPSv2/issues/48")
         if version not in HPS_FILES:
             raise UserError(f"hpsv2: version must be one of {sorted(HPS_FILES)}, got {version!r}")
         super().__init__(device, dtype, batch_size)
