@@ -208,6 +208,29 @@ def _target(cfg: dict) -> tuple[float, int]:
     return float(_get(cfg, "metrics.target_val_reward", 0.8)), int(_get(cfg, "metrics.target_hold", 1))
 
 
+def component_curves(run: Run) -> dict[str, dict[str, tuple[list, list]]]:
+    """Every reward component (and numeric per-sample extra) the run logged, raw:
+    {name: {"train" | "validation": (steps, means)}}. Train keys are `reward/<name>`, validation keys
+    `val_reward/<name>`, a trailing "_raw" dropped; the raw weighted total (`reward_raw_mean`) is "total (raw)"."""
+    out: dict[str, dict[str, tuple[list, list]]] = {}
+    for row in run.rows:
+        for key, v in row.items():
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or "step" not in row:
+                continue
+            split = "validation" if key.startswith("val_") else "train"
+            name = key.removeprefix("val_")
+            if name == "reward_raw_mean":
+                name = "total (raw)"
+            elif name.startswith("reward/"):
+                name = name.removeprefix("reward/").removesuffix("_raw")
+            else:
+                continue
+            xs, ys = out.setdefault(name, {}).setdefault(split, ([], []))
+            xs.append(row["step"])
+            ys.append(float(v))
+    return out
+
+
 def stage_medians(run: Run) -> dict[str, float | None]:
     """Median seconds per training step of each stage, plus median MFU and the largest peak memory logged."""
     steps = [r for r in run.rows if "step_s" in r]
@@ -389,6 +412,13 @@ def write_report(run_dirs: list[Path], out: Path | None = None) -> Path:
         train[r.name] = ([p[0] for p in pts], [p[1] for p in pts], [p[2] for p in pts])
     train_png = plots.band_plot(train, assets / "train_reward.png", "step", "training reward (mean ± std)",
                                 "Training reward")
+    curves = {r.name: component_curves(r) for r in runs}
+    component_pngs = [
+        plots.line_plot({f"{run} ({split})": c[name][split] for run, c in curves.items() if name in c
+                         for split in ("train", "validation") if split in c[name]},
+                        assets / f"component_{i}_{_safe(name)}.png", "step", f"{name} (raw mean)",
+                        f"Reward component: {name}")
+        for i, name in enumerate(sorted({n for c in curves.values() for n in c}))]
 
     parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>gerl report</title><style>{CSS}</style></head><body>",
              "<h1>gerl report</h1>",
@@ -410,6 +440,9 @@ def write_report(run_dirs: list[Path], out: Path | None = None) -> Path:
               f"<img src='{rel(val_hours)}' alt='validation reward vs GPU-hours'>",
               f"<img src='{rel(train_png)}' alt='training reward'>",
               f"<img src='{rel(train_stats)}' alt='KL, clip fraction and gradient norm'>"]
+    if component_pngs:
+        parts += ["<h2>Reward components (raw scores, train and validation)</h2>"]
+        parts += [f"<img src='{rel(png)}' alt='reward component'>" for png in component_pngs]
 
     for i, r in enumerate(runs):
         tag = f"{i}_{_safe(r.name)}"
