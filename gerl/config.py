@@ -110,11 +110,12 @@ class RewardConfig:
     retry_backoff_s: float = 0.5  # first backoff; doubles each retry
     on_failure: Literal["drop", "fixed", "abort"] = "drop"  # a sample still failing: drop it (a group left with < 2 samples is dropped), give it failure_score, or stop the run
     failure_score: float = 0.0  # score given to failed samples when on_failure=fixed
+    max_failed_steps: int = 3  # stop the run (exit 3) after this many consecutive steps with no valid reward at all (0 = never)
 
 
 @dataclass
 class ValidationConfig:
-    every: int = 0  # validate every N steps (0 = only at the end; -1 = never)
+    every: int = 0  # validate at step 0, every N steps and always at the last step (0 = only at the last step; -1 = never)
     num_prompts: int = 8  # first N prompts of data.test_prompts
     seed: int = 1234  # fixed noise for comparable grids
 
@@ -124,8 +125,12 @@ class LogConfig:
     tensorboard: bool = True  # scalars + image grids under output_dir/tensorboard
     wandb: bool = False  # also log to Weights & Biases (pip install gerl[wandb])
     wandb_project: str = "gerl"
+    wandb_name: str = ""  # wandb run name ("" = wandb's own)
+    wandb_id: str = ""  # wandb run id ("" = generated at the first start and kept in output_dir/wandb_id, so resume continues that run)
+    wandb_tags: list[str] = field(default_factory=list)  # wandb run tags
     images_every: int = 10  # write a training sample grid every N steps (0 = never)
-    progress_bar: bool = True  # tqdm bar on stderr
+    progress_bar: bool = True  # tqdm bar on stderr when it is a terminal; otherwise plain lines (print_every)
+    print_every: int = 10  # without a progress bar: one plain stderr line every N steps (0 = none)
 
 
 @dataclass
@@ -365,6 +370,10 @@ def validate(cfg: Config) -> list[str]:
         e.append("no reward: set reward.name (e.g. ocr) or reward.components")
     if r.components and any(not c.name for c in r.components):
         e.append("every reward.components entry needs a name")
+    if r.max_failed_steps < 0:
+        e.append("reward.max_failed_steps must be ≥ 0 (0 = never stop for missing rewards)")
+    if cfg.log.print_every < 0:
+        e.append("log.print_every must be ≥ 0 (0 = no plain progress lines)")
     if r.timeout_s <= 0 or r.retries < 0 or r.retry_backoff_s < 0:
         e.append("reward.timeout_s must be > 0, reward.retries and reward.retry_backoff_s ≥ 0")
     g = cfg.engine
