@@ -146,6 +146,7 @@ class Trainer:
                 self.tracker.load_state_dict(state["tracker"])
             self.counters.update(state.get("counters", {}))
         self._shown_errors: set[str] = set()  # reward error texts already printed (each distinct one once)
+        self._last_error = ""  # the latest reward error text, for the message that stops the run
         self._no_reward_steps = 0  # consecutive steps in which no sample got a valid reward
         self._stop_signal: int | None = None  # SIGINT/SIGTERM received: stop at the next step boundary
         existed = self.run_dir.exists()
@@ -217,6 +218,7 @@ class Trainer:
     def show_reward_errors(self, errors: dict[str, int], where: str) -> None:
         """Print the reward's own error text on stderr, once per distinct message (all are counted in metrics)."""
         for msg, n in errors.items():
+            self._last_error = msg
             if msg in self._shown_errors:
                 continue
             self._shown_errors.add(msg)
@@ -233,9 +235,9 @@ class Trainer:
         """Stop (exit 3) after reward.max_failed_steps consecutive steps in which no sample got a valid reward."""
         limit = self.cfg.reward.max_failed_steps
         if limit and self._no_reward_steps >= limit:
-            last = sorted(self._shown_errors)[-1:] or ["every score was None (not applicable)"]
+            last = self._last_error or "every score was None (not applicable)"
             raise RunAborted(f"no sample got a valid reward in {self._no_reward_steps} consecutive steps (up to step "
-                             f"{step}; reward.max_failed_steps={limit}); reward said: {last[0][:200]}. Checkpoints "
+                             f"{step}; reward.max_failed_steps={limit}); reward said: {last[:200]}. Checkpoints "
                              f"in {self.run_dir}/checkpoints are intact: fix the reward (try it with `gerl score`) "
                              "and rerun with resume=true")
 
