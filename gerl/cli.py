@@ -9,6 +9,7 @@ import os
 import shlex
 import signal
 import sys
+import threading
 from pathlib import Path
 
 from gerl.errors import Interrupted, RunAborted, UserError
@@ -37,7 +38,8 @@ def cmd_train(args) -> int:
 
     # `kill PID` (SIGTERM) unwinds like Ctrl-C while loading, so cleanup (a Ray this run started) still runs;
     # during training the trainer takes both signals over and stops at the next step boundary.
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    main_thread = threading.current_thread() is threading.main_thread()  # only it may set signal handlers
+    old_term = signal.signal(signal.SIGTERM, _raise_interrupt) if main_thread else None
     try:
         run_dir = train(cfg)
     except Interrupted as e:
@@ -49,6 +51,9 @@ def cmd_train(args) -> int:
             print(f"gerl: interrupted after step {e.step}; checkpoint saved to {e.checkpoint}\n"
                   f"gerl: resume with: {cmd}", file=sys.stderr)
         return 130
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, old_term)
     print(f"gerl: run written to {run_dir}  (metrics.jsonl, tensorboard/, samples/, checkpoints/)")
     return 0
 
