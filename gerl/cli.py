@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import shlex
+import signal
 import sys
+import threading
 from pathlib import Path
 
-from gerl.errors import RunAborted, UserError
+from gerl.errors import Interrupted, RunAborted, UserError
 
 
 def _quiet_libraries() -> None:
@@ -35,7 +39,24 @@ def cmd_train(args) -> int:
     _quiet_libraries()
     from gerl.trainer import train
 
-    run_dir = train(cfg)
+    # `kill PID` (SIGTERM) unwinds like Ctrl-C while loading, so cleanup (a Ray this run started) still runs;
+    # during training the trainer takes both signals over and stops at the next step boundary.
+    main_thread = threading.current_thread() is threading.main_thread()  # only it may set signal handlers
+    old_term = signal.signal(signal.SIGTERM, _raise_interrupt) if main_thread else None
+    try:
+        run_dir = train(cfg)
+    except Interrupted as e:
+        if e.checkpoint is None:
+            print("gerl: interrupted before any step was trained; nothing to resume", file=sys.stderr)
+        else:
+            again = [a for a in args.overrides if not a.startswith("resume=")] + ["resume=true"]
+            cmd = " ".join(shlex.quote(a) for a in ["gerl", "train", args.config, *again])
+            print(f"gerl: interrupted after step {e.step}; checkpoint saved to {e.checkpoint}\n"
+                  f"gerl: resume with: {cmd}", file=sys.stderr)
+        return 130
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, old_term)
     print(f"gerl: run written to {run_dir}  (metrics.jsonl, tensorboard/, samples/, checkpoints/)")
     return 0
 
@@ -130,6 +151,21 @@ def _reward_error(name: str, e: Exception) -> UserError:
     msg = str(e).splitlines()[0][:200] if str(e) else ""
     return UserError(f"reward {name!r} raised {type(e).__name__}: {msg}; fix the reward "
                      "(gerl --debug ... shows the traceback)")
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _json_safe(v):
+    """JSON has no NaN/inf: write them as null (a reward's non-finite score is "no score")."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: _json_safe(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_json_safe(x) for x in v]
+    return v
 
 
 def _pipeline_for(args):
@@ -246,7 +282,7 @@ def cmd_score(args) -> int:
         raise _reward_error(args.reward, e) from e
     rows = [{"image": path, "prompt": p, "score": s, **{k: v[i] for k, v in extras.items()}}
             for i, (path, p, s) in enumerate(zip(args.images, prompts, scores))]
-    print(json.dumps(rows, indent=1, default=str))
+    print(json.dumps(_json_safe(rows), indent=1, default=str, allow_nan=False))
     return 0
 
 

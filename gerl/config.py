@@ -111,11 +111,12 @@ class RewardConfig:
     retry_backoff_s: float = 0.5  # first backoff; doubles each retry
     on_failure: Literal["drop", "fixed", "abort"] = "drop"  # a sample still failing: drop it (a group left with < 2 samples is dropped), give it failure_score, or stop the run
     failure_score: float = 0.0  # score given to failed samples when on_failure=fixed
+    max_failed_steps: int = 3  # stop the run (exit 3) after this many consecutive steps with no valid reward at all (0 = never)
 
 
 @dataclass
 class ValidationConfig:
-    every: int = 0  # validate every N steps (0 = only at the end; -1 = never)
+    every: int = 0  # validate at step 0, every N steps and always at the last step (0 = only at the last step; -1 = never)
     num_prompts: int = 8  # first N prompts of data.test_prompts
     images_per_prompt: int = 1  # validation images per prompt, each with its own fixed noise (more = a less noisy val_reward_mean)
     seed: int = 1234  # fixed noise for comparable grids
@@ -126,8 +127,12 @@ class LogConfig:
     tensorboard: bool = True  # scalars + image grids under output_dir/tensorboard
     wandb: bool = False  # also log to Weights & Biases (pip install gerl[wandb])
     wandb_project: str = "gerl"
+    wandb_name: str = ""  # wandb run name ("" = wandb's own)
+    wandb_id: str = ""  # wandb run id ("" = generated at the first start and kept in output_dir/wandb_id, so resume continues that run)
+    wandb_tags: list[str] = field(default_factory=list)  # wandb run tags
     images_every: int = 10  # write a training sample grid every N steps (0 = never)
-    progress_bar: bool = True  # tqdm bar on stderr
+    progress_bar: bool = True  # tqdm bar on stderr when it is a terminal; otherwise plain lines (print_every)
+    print_every: int = 10  # without a progress bar: one plain stderr line every N steps (0 = none)
 
 
 @dataclass
@@ -505,6 +510,7 @@ RANGES: dict[str, Range] = {
     "reward.timeout_s": _gt(0),
     "reward.retries": _ge(0),
     "reward.retry_backoff_s": _ge(0),
+    "reward.max_failed_steps": _ge(0, "0 = never stop for missing rewards"),
     "reward.failure_score": FINITE,
     "reward.components[].weight": FINITE,
     "reward.components[].scale": FINITE,
@@ -516,6 +522,7 @@ RANGES: dict[str, Range] = {
     "validation.images_per_prompt": _ge(1),
     "validation.seed": SEED,
     "log.images_every": _ge(0, "0 = never"),
+    "log.print_every": _ge(0, "0 = no plain progress lines"),
     "engine.actor_workers": _ge(1),
     "engine.rollout_workers": _ge(1),
     "engine.cpus_per_worker": _ge(1),

@@ -8,7 +8,10 @@ generation runs ahead of training: 0 batches (sync) or up to engine.max_stalenes
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
+import signal
 import sys
 import time
 from collections import deque
@@ -21,7 +24,7 @@ from gerl.algo.advantages import PerPromptTracker, compute_advantages
 from gerl.checkpoint import find_resume_checkpoint
 from gerl.config import Config, derived_sizes, redact, reward_components, to_dict, to_yaml, trained_steps_per_sample
 from gerl.data.prompts import Prompt, PromptSampler, load_prompts
-from gerl.errors import RunAborted, UserError
+from gerl.errors import Interrupted, RunAborted, UserError
 from gerl.logging.images import image_grid, save_grid_captions
 from gerl.logging.metrics import MetricsLogger, read_jsonl
 from gerl.logging.throughput import tracker_for
@@ -42,10 +45,18 @@ class Prepared:
     pipe: object
 
 
+def _metrics_rows(run_dir: Path) -> int:
+    """Steps logged in run_dir/metrics.jsonl (0 if absent: a start that failed before step 1 left no run)."""
+    try:
+        return sum(1 for ln in (run_dir / "metrics.jsonl").read_text().splitlines() if ln.strip())
+    except OSError:
+        return 0
+
+
 def _check_output_dir(cfg: Config) -> None:
     out = Path(cfg.output_dir)
     check_writable(out, f"output_dir {out}")
-    if out.is_dir() and (out / "metrics.jsonl").exists() and cfg.resume == "false" and not cfg.overwrite:
+    if out.is_dir() and _metrics_rows(out) and cfg.resume == "false" and not cfg.overwrite:
         raise UserError(f"output_dir {out} already holds a run; pass resume=true to continue it, overwrite=true to "
                         "start over, or choose another output_dir")
 
@@ -65,11 +76,17 @@ def prepare(cfg: Config) -> Prepared:
         reward_fns.append(fn)
     if cfg.model.init_lora:
         lora_file(cfg.model.init_lora)
+    if cfg.log.wandb:
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            raise UserError("log.wandb=true needs wandb: pip install 'gerl[wandb]' (or set log.wandb=false)")
     _check_output_dir(cfg)
     resume_from = find_resume_checkpoint(Path(cfg.output_dir), cfg.resume)
     if resume_from is not None:  # a damaged line inside the logs fails here, before config.yaml is rewritten
         for log in ("metrics.jsonl", "timeline.jsonl"):
             read_jsonl(Path(cfg.output_dir) / log)
+    _check_resume(cfg, resume_from)
     pipe = None
     if cfg.engine.kind == "local":
         from gerl.engine.roles import build_pipeline
@@ -78,6 +95,24 @@ def prepare(cfg: Config) -> Prepared:
     elif (path := resolve_model_path(cfg.model.path)) != "tiny" and not Path(path).exists() and "/" not in path:
         raise UserError(f"model.path {cfg.model.path!r} is neither 'tiny', 'ocr-mini', an existing directory, nor a hub id")
     return Prepared(train, test, reward_fns, resume_from, pipe)
+
+
+def _check_resume(cfg: Config, resume_from: Path | None) -> None:
+    """resume=true must not silently start over a run that has metrics, nor 'finish' having trained nothing."""
+    out = Path(cfg.output_dir)
+    if resume_from is None:
+        rows = _metrics_rows(out)
+        if cfg.resume == "true" and rows and not cfg.overwrite:
+            raise UserError(f"resume=true but {out} has no checkpoint to resume from (metrics.jsonl holds {rows} "
+                            "steps); pass overwrite=true (drop resume=true) to start over, or choose another output_dir")
+        return
+    try:
+        step = int(json.loads((resume_from / "trainer_state.json").read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # a damaged checkpoint is reported when it is loaded
+    if cfg.max_steps <= step:
+        raise UserError(f"resume: checkpoint {resume_from} is at step {step} and max_steps={cfg.max_steps}, so there "
+                        f"is nothing left to train; raise max_steps above {step} (e.g. max_steps={2 * step})")
 
 
 class Trainer:
@@ -110,16 +145,29 @@ class Trainer:
             if self.tracker is not None and state.get("tracker"):
                 self.tracker.load_state_dict(state["tracker"])
             self.counters.update(state.get("counters", {}))
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.run_dir / "config.yaml.tmp"
-        tmp.write_text(to_yaml(cfg))
-        tmp.replace(self.run_dir / "config.yaml")
-        (self.run_dir / "samples").mkdir(exist_ok=True)
-        resume_step = self.start_step if prep.resume_from is not None else None
-        self.timeline = Timeline(self.run_dir / "timeline.jsonl")
-        truncate_timeline(self.run_dir, resume_step)
-        self.logger = MetricsLogger(self.run_dir, cfg.log.tensorboard, cfg.log.wandb, cfg.log.wandb_project,
-                                    redact(to_dict(cfg)), resume_step)
+        self._shown_errors: set[str] = set()  # reward error texts already printed (each distinct one once)
+        self._last_error = ""  # the latest reward error text, for the message that stops the run
+        self._no_reward_steps = 0  # consecutive steps in which no sample got a valid reward
+        self._stop_signal: int | None = None  # SIGINT/SIGTERM received: stop at the next step boundary
+        existed = self.run_dir.exists()
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            tmp = self.run_dir / "config.yaml.tmp"
+            tmp.write_text(to_yaml(cfg))
+            tmp.replace(self.run_dir / "config.yaml")
+            (self.run_dir / "samples").mkdir(exist_ok=True)
+            resume_step = self.start_step if prep.resume_from is not None else None
+            self.timeline = Timeline(self.run_dir / "timeline.jsonl")
+            truncate_timeline(self.run_dir, resume_step)
+            self.logger = MetricsLogger(self.run_dir, cfg.log.tensorboard, cfg.log.wandb, cfg.log.wandb_project,
+                                        redact(to_dict(cfg)), resume_step, wandb_name=cfg.log.wandb_name,
+                                        wandb_id=cfg.log.wandb_id, wandb_tags=cfg.log.wandb_tags)
+        except BaseException:
+            # A failed start leaves nothing behind that a rerun would refuse (or the Ray it started running).
+            self.engine.close()
+            if not existed:
+                shutil.rmtree(self.run_dir, ignore_errors=True)
+            raise
         # Throughput, GPU-hours and MFU; a resumed run replays the metrics.jsonl rows the logger kept.
         self.throughput = tracker_for(cfg, getattr(self.engine, "devices", 1), prep.pipe)
         self.throughput.restore(self.run_dir / "metrics.jsonl")
@@ -143,6 +191,9 @@ class Trainer:
              **{f"reward_{k}": v for k, v in res.counts.items()}}
         for k in ("failed_samples", "retries", "timeouts", "errors"):
             self.counters[f"reward_{k}_total"] += m[f"reward_{k}"]
+        self.show_reward_errors(res.errors, "training")
+        valid = ~missing & torch.isfinite(res.total)
+        self._no_reward_steps = 0 if valid.any() else self._no_reward_steps + 1
         if not missing.any():
             return batch, m
         if r.on_failure == "abort":
@@ -164,6 +215,32 @@ class Trainer:
         self.counters["dropped_samples_total"] += dropped
         return subset(batch, keep), m
 
+    def show_reward_errors(self, errors: dict[str, int], where: str) -> None:
+        """Print the reward's own error text on stderr, once per distinct message (all are counted in metrics)."""
+        for msg, n in errors.items():
+            self._last_error = msg
+            if msg in self._shown_errors:
+                continue
+            self._shown_errors.add(msg)
+            if len(self._shown_errors) > 10:
+                if len(self._shown_errors) == 11:
+                    print("gerl: more distinct reward errors follow; not shown (see reward_errors in metrics.jsonl)",
+                          file=sys.stderr)
+                continue
+            text = (msg.splitlines() or [""])[0][:300]
+            print(f"gerl: reward {text} ({n} samples failed in {where}; each distinct error is shown once)",
+                  file=sys.stderr)
+
+    def check_reward_streak(self, step: int) -> None:
+        """Stop (exit 3) after reward.max_failed_steps consecutive steps in which no sample got a valid reward."""
+        limit = self.cfg.reward.max_failed_steps
+        if limit and self._no_reward_steps >= limit:
+            last = self._last_error or "every score was None (not applicable)"
+            raise RunAborted(f"no sample got a valid reward in {self._no_reward_steps} consecutive steps (up to step "
+                             f"{step}; reward.max_failed_steps={limit}); reward said: {last[:200]}. Checkpoints "
+                             f"in {self.run_dir}/checkpoints are intact: fix the reward (try it with `gerl score`) "
+                             "and rerun with resume=true")
+
     def advantages(self, batch: RolloutBatch) -> torch.Tensor:
         cfg = self.cfg.train
         if self.tracker is not None:
@@ -180,13 +257,21 @@ class Trainer:
         prompts = [p.text for p in self.test_prompts for _ in range(k)]
         metadata = [dict(p.metadata) for p in self.test_prompts for _ in range(k)]
         images, res = self.engine.validate(prompts, metadata)
-        valid = [float(v) for v in res.total if math.isfinite(float(v))]
+        self.show_reward_errors(res.errors, f"validation at step {step}")
         grid = image_grid(images, cols=k if k > 1 else None)  # a row per prompt when it has several images
         grid.save(self.run_dir / "samples" / f"val_step_{step:06d}.png")
-        save_grid_captions(self.run_dir / "samples" / f"val_step_{step:06d}.json", prompts, res.total)
+        save_grid_captions(self.run_dir / "samples" / f"val_step_{step:06d}.json", prompts,
+                           res.raw_total if res.raw_total is not None else res.total)
         self.logger.log_image("validation/images", grid, step)
-        return {"val_reward_mean": sum(valid) / max(len(valid), 1), "val_num_prompts": len(self.test_prompts), "val_images": len(prompts),
-                "validate_s": time.perf_counter() - t0}
+        m = {"val_reward_mean": _finite_mean(res.total), "val_reward_raw_mean": _finite_mean(res.raw_total),
+             "val_num_prompts": len(self.test_prompts), "val_images": len(prompts), "val_scored_prompts": int(torch.isfinite(res.total).sum())}
+        for name, comp in res.components.items():
+            m[f"val_reward/{name}_raw"] = _finite_mean(comp)
+        if math.isnan(m["val_reward_mean"]):
+            print(f"gerl: validation at step {step}: no prompt got a valid reward; val_reward_mean is logged as null",
+                  file=sys.stderr)
+        m["validate_s"] = time.perf_counter() - t0
+        return m
 
     def checkpoint(self, step: int) -> None:
         extra = {"sampler": self.sampler_after[step], "tracker": self.tracker.state_dict() if self.tracker else None,
@@ -194,17 +279,49 @@ class Trainer:
         self.engine.save(self.run_dir, step, extra, self.cfg.checkpoint.keep_last)
 
     # ------------------------------------------------------------------ the loop
+    def _on_signal(self, signum, frame) -> None:
+        """First SIGINT/SIGTERM: finish the current step, checkpoint, stop. A second one stops at once."""
+        if self._stop_signal is not None:
+            raise KeyboardInterrupt
+        self._stop_signal = signum
+        print(f"\ngerl: {signal.Signals(signum).name} received: stopping after this step with a checkpoint "
+              "(send it again to stop at once, without one)", file=sys.stderr)
+
+    def _install_signal_handlers(self) -> dict:
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return {}  # signals are delivered to the main thread only; an embedding caller handles them itself
+        return {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def _stop_here(self, step: int) -> None:
+        """Called at a step boundary after a signal: make sure this step is checkpointed, then raise Interrupted."""
+        if step > self.start_step and not (self.run_dir / "checkpoints" / f"step_{step:06d}").is_dir():
+            with self.timeline.span("trainer", "checkpoint", step):
+                self.checkpoint(step)
+        ckpt = self.run_dir / "checkpoints" / f"step_{step:06d}" if step > self.start_step else None
+        raise Interrupted(step, ckpt, self._stop_signal)
+
+    def _print_line(self, step: int, metrics: dict) -> None:
+        """The plain progress line (no progress bar, or stderr is not a terminal)."""
+        keys = ("reward_mean", "reward_raw_mean", "val_reward_mean", "step_s", "policy_lag")
+        parts = [f"{k}={metrics[k]:.4g}" if isinstance(metrics[k], float) else f"{k}={metrics[k]}"
+                 for k in keys if k in metrics and metrics[k] is not None]
+        print(f"gerl: step {step}/{self.cfg.max_steps} " + " ".join(parts), file=sys.stderr, flush=True)
+
     def fit(self) -> Path:
         cfg = self.cfg
         print("gerl: " + ", ".join(f"{k}={v}" for k, v in self.sizes.items()), file=sys.stderr)
         progress = None
-        if cfg.log.progress_bar:
+        # tqdm's carriage-return stream is unreadable in a log file: off a terminal, print plain lines instead.
+        if cfg.log.progress_bar and sys.stderr.isatty():
             from tqdm import tqdm
 
             progress = tqdm(total=cfg.max_steps, initial=self.start_step, desc="train", file=sys.stderr, dynamic_ncols=True)
         ahead = cfg.engine.max_staleness if cfg.engine.schedule == "async" else 0
         pending: deque = deque()  # (step, handle) of generations issued but not yet trained on
         next_gen = self.start_step + 1
+        handlers = self._install_signal_handlers()
         try:
             if cfg.validation.every > 0 and self.start_step == 0:
                 with self.timeline.span("trainer", "validate", 0):
@@ -224,7 +341,14 @@ class Trainer:
                     progress.update(1)
                     progress.set_postfix(reward=f"{metrics['reward_mean']:.4g}", s=f"{metrics['step_s']:.2f}",
                                          lag=metrics["policy_lag"])
+                elif cfg.log.print_every and (step % cfg.log.print_every == 0 or step == cfg.max_steps):
+                    self._print_line(step, metrics)
+                if self._stop_signal is not None and step < cfg.max_steps:
+                    self._stop_here(step)
+                self.check_reward_streak(step)
         finally:
+            for sig, old in handlers.items():
+                signal.signal(sig, old)
             if progress is not None:
                 progress.close()
             self.engine.close()
@@ -253,8 +377,8 @@ class Trainer:
             metrics["step_s"] = time.perf_counter() - t0
             metrics["images"] = generated
             metrics["images_per_s"] = generated / metrics["step_s"]
-            every = cfg.validation.every
-            if every > 0 and step % every == 0 or every == 0 and step == cfg.max_steps:
+            every = cfg.validation.every  # the run always ends with a validation unless it is off (-1)
+            if every >= 0 and (step == cfg.max_steps or every > 0 and step % every == 0):
                 with tl.span("trainer", "validate", step):
                     metrics.update(self.validate(step))
             if cfg.log.images_every and step % cfg.log.images_every == 0:
@@ -285,9 +409,10 @@ class Trainer:
             "policy_version": batch.policy_version,
             **batch.timings,
         }
-        for name, comp in (res.components.items() if res is not None and len(res.components) > 1 else []):
-            ok = torch.isfinite(comp)
-            m[f"reward/{name}"] = float(comp[ok].mean()) if ok.any() else math.nan
+        if res is not None:  # normalised components make reward_mean ≈ 0: the raw scores are what moves
+            m["reward_raw_mean"] = _finite_mean(res.raw_total)
+            for name, comp in res.components.items():
+                m[f"reward/{name}_raw"] = _finite_mean(comp)
         for k, v in batch.reward_extras.items():
             vals = [float(x) for x in v if isinstance(x, (int, float)) and math.isfinite(x)]
             if vals:
@@ -307,6 +432,14 @@ class Trainer:
         m["train_s"] = time.perf_counter() - t0
         m.update(self.counters)
         return m
+
+
+def _finite_mean(t: torch.Tensor | None) -> float:
+    """Mean over the finite entries; NaN (logged as null) when there are none."""
+    if t is None:
+        return math.nan
+    ok = torch.isfinite(t)
+    return float(t[ok].double().mean()) if ok.any() else math.nan
 
 
 def train(cfg: Config) -> Path:

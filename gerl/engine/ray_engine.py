@@ -206,8 +206,12 @@ class RayEngine:
         except ImportError:
             raise UserError("engine.kind=ray needs Ray: pip install 'gerl[ray]'") from None
         self.ray, self.cfg = ray, cfg
+        self.hosts: list = []
         g = cfg.engine
-        if not ray.is_initialized():
+        # A run that starts (or connects) Ray itself also stops it (close, or Ray's own atexit on a signal):
+        # no raylet, GCS or worker processes outlive the driver. A Ray the caller started is left alone.
+        self._owns_ray = not ray.is_initialized()
+        if self._owns_ray:
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")
             # Workers import gerl, rewards and user reward modules from the driver's working directory.
             os.environ["PYTHONPATH"] = os.pathsep.join([os.getcwd(), *sys.path[1:3], os.environ.get("PYTHONPATH", "")])
@@ -221,6 +225,14 @@ class RayEngine:
                                     "start one with `ray start --head`, or set engine.ray_address= to start a local Ray") from None
             else:
                 ray.init(num_cpus=os.cpu_count(), **kwargs)
+        try:
+            self._start(cfg)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, cfg) -> None:
+        ray, g = self.ray, cfg.engine
         self.use_gpu = g.device == "cuda" or (g.device == "auto" and torch.cuda.is_available())
         self.hybrid = g.hybrid
         n_actor, n_roll = g.actor_workers, g.rollout_workers
@@ -393,3 +405,6 @@ class RayEngine:
             pass
         for h in self.hosts:
             self.ray.kill(h)
+        self.hosts = []
+        if self._owns_ray and self.ray.is_initialized():
+            self.ray.shutdown()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import secrets
 from pathlib import Path
 
 import numpy as np
@@ -39,7 +40,7 @@ def read_jsonl(path: Path) -> list[dict]:
 
 class MetricsLogger:
     def __init__(self, run_dir: Path, tensorboard: bool, wandb: bool, wandb_project: str, config: dict,
-                 resume_step: int | None):
+                 resume_step: int | None, wandb_name: str = "", wandb_id: str = "", wandb_tags: list | None = None):
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
         if resume_step is not None and self.path.exists():
@@ -60,7 +61,14 @@ class MetricsLogger:
                 import wandb as wb
             except ImportError:
                 raise UserError("log.wandb=true needs wandb: pip install 'gerl[wandb]' (or set log.wandb=false)") from None
-            self.wandb = wb.init(project=wandb_project, config=config, dir=str(self.run_dir), resume="allow")
+            # One wandb run per run directory: its id is kept in output_dir/wandb_id, so resume=true continues it.
+            id_file = self.run_dir / "wandb_id"
+            if not wandb_id and resume_step is not None and id_file.is_file():
+                wandb_id = id_file.read_text().strip()
+            wandb_id = wandb_id or secrets.token_hex(4)
+            id_file.write_text(wandb_id + "\n")
+            self.wandb = wb.init(project=wandb_project, config=config, dir=str(self.run_dir), id=wandb_id,
+                                 name=wandb_name or None, tags=list(wandb_tags or []) or None, resume="allow")
 
     def log(self, step: int, metrics: dict) -> None:
         row = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}

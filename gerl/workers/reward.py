@@ -7,6 +7,10 @@ Faults never stop or hang a run: every call has a timeout (the call runs on a he
 it overstays), errors and timeouts are retried with exponential backoff, a dead worker process is replaced, and a
 last-resort deadline on each future bounds the wait. A sample whose call still fails is marked *failed* (never
 given a made-up score); the trainer's `reward.on_failure` policy decides what happens to it.
+
+One rule for non-finite scores: a reward that returns NaN or ±inf for a sample has failed on that sample (the
+score is useless as a baseline), exactly like a call that raised — `None` alone means "not applicable". The
+reward's own error text travels with the result (`RewardResult.errors`) so the trainer can show it.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ class CallResult:
     retries: int = 0
     timeouts: int = 0
     errors: int = 0
+    nonfinite: int = 0  # samples whose score came back NaN or ±inf (marked failed)
     last_error: str = ""
     start: float = 0.0  # wall clock (epoch seconds) of the first attempt, for the timeline
     end: float = 0.0
@@ -87,7 +92,13 @@ def run_attempts(fn, images, prompts, metadata, timeout_s: float, retries: int, 
         status, value = _call_with_timeout(fn, images, prompts, metadata, timeout_s)
         if status == "ok":
             scores, extras = value
-            res.scores, res.failed, res.extras = list(scores), [False] * n, extras
+            bad = [s is not None and not math.isfinite(s) for s in scores]
+            res.scores = [None if b else s for s, b in zip(scores, bad)]
+            res.failed, res.extras = bad, extras
+            if any(bad):  # deterministic in the inputs: a retry would return the same thing
+                res.nonfinite = sum(bad)
+                vals = sorted({str(s) for s, b in zip(scores, bad) if b})
+                res.last_error = f"returned non-finite scores ({', '.join(vals)}); return None for 'not applicable'"
             break
         if status == "timeout":
             res.timeouts += 1
@@ -230,6 +241,8 @@ class RewardResult:
     compute_s: float  # time spent inside rewards, summed over calls
     counts: dict[str, int]  # retries, timeouts, errors, worker restarts of this batch
     spans: list[dict] = field(default_factory=list)  # one per call: {"lane", "name", "start", "end"}
+    raw_total: torch.Tensor | None = None  # (B,) weighted sum of the raw components (no normalisation); NaN as total
+    errors: dict[str, int] = field(default_factory=dict)  # "<component>: <reward's error text>" → samples it failed
 
 
 class RewardSet:
@@ -262,8 +275,8 @@ class RewardSet:
         return self._combine(per_mb, time.perf_counter() - t0)
 
     def _combine(self, per_mb: list[list[CallResult]], wait_s: float) -> RewardResult:
-        counts = {"retries": 0, "timeouts": 0, "errors": 0}
-        raw, failed_by, extras, compute, spans = [], [], {}, 0.0, []
+        counts = {"retries": 0, "timeouts": 0, "errors": 0, "nonfinite": 0}
+        raw, failed_by, extras, compute, spans, errors = [], [], {}, 0.0, [], {}
         for i, name in enumerate(self.names):
             results = [mb[i] for mb in per_mb]
             scores = [s for r in results for s in r.scores]
@@ -278,22 +291,24 @@ class RewardSet:
                 compute += r.compute_s
                 for k in counts:
                     counts[k] += getattr(r, k)
+                if r.last_error and any(r.failed):
+                    key = f"{name}: {r.last_error}"
+                    errors[key] = errors.get(key, 0) + sum(r.failed)
                 for k, v in r.extras.items():
                     extras.setdefault(k if len(self.names) == 1 else f"{name}/{k}", []).extend(v)
         counts["worker_restarts"] = sum(ex.worker_restarts for ex in self.executors)
         failed = torch.stack(failed_by).any(0)
         none = torch.stack([torch.isnan(r) for r in raw])
-        total = torch.zeros_like(raw[0])
+        total, raw_total = torch.zeros_like(raw[0]), torch.zeros_like(raw[0])
         for spec, r in zip(self.specs, raw):
             total += spec.weight * torch.nan_to_num(normalize(r, spec.normalize, spec.scale, failed), nan=0.0)
+            raw_total += spec.weight * torch.nan_to_num(r, nan=0.0)
         not_applicable = none.all(0) & ~failed
         total[failed | not_applicable] = math.nan
-        # A reward that itself returned inf/NaN (not None) is non-finite, not "not applicable": keep it visible.
-        for r in raw:
-            bad = torch.isinf(r)
-            total[bad] = r[bad]
+        raw_total[failed | not_applicable] = math.nan
+        # (NaN/inf scores were turned into failures in run_attempts: the one rule for non-finite rewards.)
         return RewardResult(total.float(), failed, not_applicable, {n: r.float() for n, r in zip(self.names, raw)},
-                            extras, wait_s, compute, counts, spans)
+                            extras, wait_s, compute, counts, spans, raw_total.float(), errors)
 
     def close(self) -> None:
         for ex in self.executors:
@@ -332,8 +347,13 @@ def merge_results(results: list[RewardResult], lanes: list[str]) -> RewardResult
             extras.setdefault(k, []).extend(v)
     counts = {k: sum(r.counts.get(k, 0) for r in results) for k in results[0].counts}
     spans = [dict(sp, lane=f"{lane}/{sp['lane']}") for r, lane in zip(results, lanes) for sp in r.spans]
+    errors: dict[str, int] = {}
+    for r in results:
+        for k, v in r.errors.items():
+            errors[k] = errors.get(k, 0) + v
     return RewardResult(
         cat([r.total for r in results]), cat([r.failed for r in results]), cat([r.not_applicable for r in results]),
         {n: cat([r.components[n] for r in results]) for n in results[0].components}, extras,
         max(r.wait_s for r in results), sum(r.compute_s for r in results), counts, spans,
+        cat([r.raw_total for r in results]), errors,
     )

@@ -27,3 +27,10 @@ def small_config(output_dir, *overrides: str):
             *overrides,
         ],
     )
+
+
+# The same small run as `small_config`, as `gerl train` arguments (for CLI and subprocess tests).
+SMALL_CLI = [str(REPO / "recipes" / "tiny_cpu.yaml"), f"data.train_prompts={REPO / 'assets/ocr/train.txt'}",
+             f"data.test_prompts={REPO / 'assets/ocr/test.txt'}", "data.prompts_per_step=2", "data.group_size=4",
+             "sampling.micro_batch_size=4", "train.mini_batch_size=4", "train.micro_batch_size=4",
+             "validation.every=-1", "log.tensorboard=false", "log.progress_bar=false", "log.images_every=0"]
