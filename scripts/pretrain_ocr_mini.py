@@ -183,7 +183,7 @@ improve it. Loads with stock `StableDiffusion3Pipeline.from_pretrained`; in gerl
 - **Training**: VAE {a['vae_steps']} steps of batch 32 (L1 + MSE + 1e-4·KL); latents normalised by the fitted
   shift {card['shift']:.4f} and scale {card['scale']:.4f}; transformer {a['steps']} steps of batch {a['batch']},
   rectified flow with logit-normal σ shifted by 3, AdamW lr {a['lr']} (warm-up 100, cosine to 10 %), seed {a['seed']}.
-  {card['seconds'] / 60:.0f} minutes on the 2-core CPU (torch {card['torch']}).
+  {card['seconds'] / 60:.0f} minutes on the 2-core CPU (torch {card["torch"]}; wall time depends on what else the machine runs).
 - **Command**: `{cmd}`
 - **Base OCR reward** (rapidocr, recognition only, one {a['eval_steps']}-step ODE sample per number, noise seed 1234):
   training numbers {score('ocr_train_numbers')}; held-out numbers {score('ocr_held_out')}.
