@@ -147,10 +147,18 @@ def _json_object(text: str, flag: str) -> dict:
     return value
 
 
-def _reward_error(name: str, e: Exception) -> UserError:
-    msg = str(e).splitlines()[0][:200] if str(e) else ""
-    return UserError(f"reward {name!r} raised {type(e).__name__}: {msg}; fix the reward "
-                     "(gerl --debug ... shows the traceback)")
+def _call_reward(name: str, fn, images, prompts, metadata):
+    """call_reward, with an exception the reward raised turned into one line (its traceback with --debug)."""
+    from rewards.registry import call_reward
+
+    try:
+        return call_reward(fn, images, prompts, metadata)
+    except UserError:
+        raise
+    except Exception as e:
+        msg = str(e).splitlines()[0][:200] if str(e) else ""
+        raise UserError(f"reward {name!r} raised {type(e).__name__}: {msg}; fix the reward "
+                        "(gerl --debug ... shows the traceback)") from e
 
 
 def _raise_interrupt(signum, frame):
@@ -218,7 +226,7 @@ def cmd_sample(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from rewards.registry import build_reward, call_reward, validate_reward_inputs
+    from rewards.registry import build_reward, validate_reward_inputs
 
     from gerl.paths import check_writable
 
@@ -233,27 +241,22 @@ def cmd_eval(args) -> int:
     validate_reward_inputs(fn, texts, meta)
     worker = _pipeline_for(args)
     images = worker.sample_images(texts, args.seed, args.num_steps, args.guidance)
-    try:
-        scores, _ = call_reward(fn, images, texts, meta)
-    except UserError:
-        raise
-    except Exception as e:
-        raise _reward_error(args.reward, e) from e
-    valid = [s for s in scores if s is not None]
-    mean = sum(valid) / max(len(valid), 1)
-    result = {"reward": args.reward, "lora": args.lora, "num_prompts": len(texts), "mean": mean,
+    scores, _ = _call_reward(args.reward, fn, images, texts, meta)
+    valid = [s for s in scores if s is not None and math.isfinite(s)]
+    mean = sum(valid) / len(valid) if valid else None  # null, not 0, when nothing was scored
+    result = {"reward": args.reward, "lora": args.lora, "num_prompts": len(texts), "mean": mean, "scored": len(valid),
               "scores": [{"prompt": t, "score": s} for t, s in zip(texts, scores)]}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1))
-    print(json.dumps({k: v for k, v in result.items() if k != "scores"}))
+        Path(args.out).write_text(json.dumps(_json_safe(result), indent=1, allow_nan=False))
+    print(json.dumps(_json_safe({k: v for k, v in result.items() if k != "scores"}), allow_nan=False))
     return 0
 
 
 def cmd_score(args) -> int:
     from PIL import Image
 
-    from rewards.registry import build_reward, call_reward, validate_reward_inputs
+    from rewards.registry import build_reward, validate_reward_inputs
 
     images = []
     for path in args.images:
@@ -274,12 +277,7 @@ def cmd_score(args) -> int:
     kwargs = _json_object(args.kwargs, "--kwargs")
     fn = build_reward(args.reward, kwargs)
     validate_reward_inputs(fn, prompts, metadata)
-    try:
-        scores, extras = call_reward(fn, images, prompts, metadata)
-    except UserError:
-        raise
-    except Exception as e:
-        raise _reward_error(args.reward, e) from e
+    scores, extras = _call_reward(args.reward, fn, images, prompts, metadata)
     rows = [{"image": path, "prompt": p, "score": s, **{k: v[i] for k, v in extras.items()}}
             for i, (path, p, s) in enumerate(zip(args.images, prompts, scores))]
     print(json.dumps(_json_safe(rows), indent=1, default=str, allow_nan=False))
