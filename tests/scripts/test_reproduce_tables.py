@@ -20,7 +20,8 @@ rt = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(rt)
 
 TINY = ["validation.every=1", "validation.num_prompts=2", "sampling.eval_num_steps=4", "data.prompts_per_step=2",
-        "data.group_size=4", "sampling.micro_batch_size=4", "train.mini_batch_size=4", "train.micro_batch_size=4",
+        "data.group_size=4", "sampling.num_steps=4", "sampling.sde_window_size=2", "sampling.sde_window_range=[0,3]",
+        "sampling.micro_batch_size=4", "train.mini_batch_size=4", "train.micro_batch_size=4",
         "log.tensorboard=false", "log.images_every=0", "checkpoint.every=0", "reward.name=jpeg_compressibility"]
 
 
