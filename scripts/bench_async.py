@@ -257,13 +257,16 @@ def print_tables(res: dict, profiles: dict, n_mb: int, ncores: int) -> None:
         print(f"| {mode} | {where} | {m['step_s']:.3f} | {sync / m['step_s']:.2f}× | {ideal:.3f} | "
               f"{ideal / m['step_s']:.2f} | {m['generate_s'] + m['decode_s']:.3f} | {m['reward_wait_s']:.3f} | "
               f"{m['reward_compute_s']:.3f} | {m['train_s']:.3f} | {m['sync_s']:.3f} | {m['policy_lag']:.0f} |")
-    print("\nwhere the time went, from timeline.jsonl (seconds per measured step; '∥' = both running at once):")
-    print(f"| mode | step s | gen+decode busy | reward busy | train busy | gen ∥ reward | gen ∥ train | "
-          f"gen+decode vs isolated |\n|{' --- |' * 8}")
+    print("\nwhere the time went, from timeline.jsonl (seconds per measured step, mean over the measured window; "
+          "'∥' = both running at once, on the cores named in 'who shares a core'):")
+    print(f"| mode | who shares a core | step s | gen+decode busy | reward busy | train busy | gen ∥ reward | "
+          f"gen ∥ train | gen+decode vs isolated |\n|{' --- |' * 9}")
     for mode, r in res.items():
         w = r["why"]
         iso = p["half" if mode in DECOUPLED else "all"]
-        print(f"| {mode} | {w['window']:.3f} | {w['gen']:.3f} | {w['reward']:.3f} | {w['train']:.3f} | "
+        who = ("actor: train alone; rollout: gen + reward" if mode in DECOUPLED
+               else "gen, reward, train all on all cores")
+        print(f"| {mode} | {who} | {w['window']:.3f} | {w['gen']:.3f} | {w['reward']:.3f} | {w['train']:.3f} | "
               f"{w['gen_reward']:.3f} | {w['gen_train']:.3f} | {r['med']['generate_s'] + r['med']['decode_s']:.3f}"
               f" vs {iso:.3f} ({(r['med']['generate_s'] + r['med']['decode_s']) / iso:.2f}×) |")
 

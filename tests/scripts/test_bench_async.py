@@ -107,3 +107,19 @@ def test_bench_async_rejects_bad_arguments_with_one_line(capsys):
     assert bench.main(["--modes", "sync,warp", "--steps", "3"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "warp" in err[0]
+
+
+def test_tables_give_speed_up_against_sync_and_efficiency_against_the_isolated_ideal(capsys):
+    why = {"gen": 1.0, "reward": 0.5, "train": 0.5, "gen_reward": 0.2, "gen_train": 0.0, "window": 2.0}
+    med = lambda step, sync_s=0.0: {"step_s": step, "generate_s": 1.0, "decode_s": 0.2, "reward_wait_s": 0.1,  # noqa: E731
+                                    "reward_compute_s": 0.8, "train_s": 0.5, "sync_s": sync_s, "policy_lag": 0}
+    res = {"sync": {"med": med(2.5), "why": why}, "with_reward": {"med": med(2.0), "why": why},
+           "one_step_off": {"med": med(1.25, 0.1), "why": why}}
+    profiles = {"all": PROFILE, "half": dict(PROFILE, generate_s=1.6)}
+    bench.print_tables(res, profiles, 4, 2)
+    rows = {ln.split("|")[1].strip(): [c.strip() for c in ln.strip("|").split("|")]
+            for ln in capsys.readouterr().out.split("where the time went")[0].splitlines()
+            if ln.startswith("| ") and "---" not in ln}
+    assert rows["with_reward"][3:6] == ["1.25×", "1.900", "0.95"]  # 2.5/2.0; gen+dec+reward/4+train; 1.9/2.0
+    assert rows["one_step_off"][1] == "1 / 1"
+    assert rows["one_step_off"][3:6] == ["2.00×", "2.000", "1.60"]  # ideal max(1.6+0.2+0.2, 0.5+0.1) on 1 core
