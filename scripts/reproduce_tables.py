@@ -13,8 +13,8 @@ Each run is `gerl train RECIPE` in a subprocess, stopped at --max-steps or after
 the run closes cleanly and keeps the validations it logged). As soon as a run finishes its row is appended: the
 markdown table (--table), a JSON copy (same path, .json) and the comparison plot (--plot: validation reward vs
 core-hours and images/s per core) are rewritten. Definitions: devices = cores; core-hours = cores × Σ(step_s +
-validate_s) (gerl/logging/throughput.py); "to target" = the first validation ≥ --target that holds for --hold
-validations.
+validate_s) (gerl/logging/throughput.py); images/s/core = images generated / (cores × the same wall seconds);
+"to target" = the first validation ≥ --target that holds for --hold validations.
 
     python scripts/reproduce_tables.py --recipe recipes/tiny_cpu.yaml --max-steps 40 --budget-s 240 \\
         --target -3.5 --table runs/tables/table.md --plot runs/tables/strategies.png [key=value ...]
@@ -27,7 +27,6 @@ import json
 import math
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -36,7 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_async import MODES, REPO  # noqa: E402  (scripts/ is not a package)
 
-from gerl.logging.throughput import gpu_hours, gpu_hours_to_target, images_per_s_per_device  # noqa: E402
+from gerl.logging.throughput import gpu_hours, gpu_hours_to_target, images_per_s_per_device, row_wall_s  # noqa: E402
 
 STRATEGIES = ["sync", "with_reward", "one_step_off", "hybrid", "stale2"]
 PLACEMENT = {"sync": "{all} shared (local)", "with_reward": "{all} shared (local)", "one_step_off": "{half} / {half}",
@@ -61,13 +60,15 @@ def steps_to_target(rows: list[dict], target: float, hold: int) -> int | None:
 
 def summarize(strategy: str, rows: list[dict], cores: int, target: float, hold: int) -> dict:
     """The numbers of one table row (None where a run never got there)."""
-    steps = [r for r in rows if isinstance(r.get("step_s"), (int, float)) and r.get("images")]
-    tput = [images_per_s_per_device(r["images"], r["step_s"], cores) for r in steps]
+    # Over the whole run, validation included (as in core-hours): with an async schedule a validation waits for the
+    # generation queued ahead of it, so per-step step_s alone would leave part of the generation out.
+    images = sum(int(r.get("images") or 0) for r in rows)
+    wall = sum(row_wall_s(r) for r in rows)
     vals = [float(r["val_reward_mean"]) for r in rows if isinstance(r.get("val_reward_mean"), (int, float))
             and math.isfinite(r["val_reward_mean"])]
     return {
         "strategy": strategy, "cores": cores, "steps_run": max((r["step"] for r in rows), default=0),
-        "images_per_s_per_core": statistics.median(tput) if tput else None,
+        "images_per_s_per_core": images_per_s_per_device(images, wall, cores) if images else None,
         "steps_to_target": steps_to_target(rows, target, hold),
         "core_hours_to_target": gpu_hours_to_target(rows, cores, target, hold),
         "core_hours_total": gpu_hours(rows, cores)[-1] if rows else 0.0,
