@@ -96,24 +96,78 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
 
 def find_resume_checkpoint(run_dir: Path, resume: str) -> Path | None:
     """resume = "false" → None; "true" → the latest checkpoint in run_dir (None if there is none yet); a path →
-    that checkpoint, or a UserError."""
+    that checkpoint. A UserError when the chosen checkpoint is damaged (see verify_resume_checkpoint)."""
     if resume in ("false", ""):
         return None
     if resume == "true":
         ckpts = list_checkpoints(run_dir)
+        if ckpts:
+            verify_resume_checkpoint(ckpts[-1])
         return ckpts[-1] if ckpts else None
     p = Path(resume)
     if not (p / "trainer_state.json").is_file():
         raise UserError(f"resume={resume}: not a checkpoint directory (no trainer_state.json); "
                         "pass resume=true or a path like RUN/checkpoints/step_000010")
+    verify_resume_checkpoint(p)
     return p
+
+
+STATE_KEYS = ("step", "policy_version", "optimizer", "lr_scheduler", "python_rng", "numpy_rng")
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """What is wrong with the checkpoint at `path` for an exact resume, or None. Reads only safetensors headers
+    (which also catch a truncated file: the header must cover every tensor's bytes) and trainer_state.json."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    try:
+        state = json.loads((path / "trainer_state.json").read_text())
+    except FileNotFoundError:
+        return "trainer_state.json is missing"
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return f"trainer_state.json is damaged ({e})"
+    missing = [k for k in STATE_KEYS if not isinstance(state, dict) or k not in state]
+    if missing:
+        return f"trainer_state.json lacks {', '.join(missing)}"
+    needed = ["trainable.safetensors", "optimizer.safetensors", "rng.safetensors"]
+    for name in needed + (["ema.safetensors"] if (path / "ema.safetensors").exists() else []):
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                keys = list(st.keys())
+        except (SafetensorError, OSError) as e:
+            return f"{name} is damaged ({str(e).splitlines()[0][:120]})"
+        if name == "rng.safetensors" and "torch_cpu" not in keys:
+            return f"{name} holds no torch_cpu RNG state"
+    return None
+
+
+def verify_resume_checkpoint(path: Path) -> None:
+    """UserError naming the damaged file and the checkpoint to resume from instead, when `path` cannot be resumed.
+    Called before anything is written, so a refused resume leaves the run directory as it was."""
+    problem = checkpoint_problem(path)
+    if problem is None:
+        return
+    earlier = [c for c in list_checkpoints(Path(path).parent.parent) if c.name < Path(path).name
+               and checkpoint_problem(c) is None]
+    fix = (f"resume from the previous checkpoint with resume={earlier[-1]} (or delete {path} and pass resume=true)"
+           if earlier else "no earlier checkpoint is intact: start over with overwrite=true")
+    raise UserError(f"checkpoint {path} cannot be resumed: {problem}; {fix}")
 
 
 def load_checkpoint(path: Path, actor) -> dict:
     """Restore the actor (weights, optimizer, LR schedule, EMA) and RNGs; return the JSON state for the rest."""
     state = json.loads((path / "trainer_state.json").read_text())
-    actor.load_trainable_state(load_file(str(path / "trainable.safetensors")))
-    actor.optimizer.load_state_dict(_optimizer_from_flat(load_file(str(path / "optimizer.safetensors")), state["optimizer"]))
+    try:
+        actor.load_trainable_state(load_file(str(path / "trainable.safetensors")))
+        actor.optimizer.load_state_dict(_optimizer_from_flat(load_file(str(path / "optimizer.safetensors")),
+                                                             state["optimizer"]))
+    except (ValueError, RuntimeError, KeyError) as e:  # shapes or names of another model / LoRA rank / targets
+        raise UserError(f"checkpoint {path} does not fit this config ({str(e).splitlines()[0][:160]}); resume with the "
+                        f"model and LoRA settings it was trained with (see {Path(path).parent.parent / 'config.yaml'})") from None
     sched = actor.lr_scheduler.state_dict()
     sched.update({k: v for k, v in state["lr_scheduler"].items() if k in sched})
     actor.lr_scheduler.load_state_dict(sched)

@@ -29,12 +29,107 @@ def cmd_train(args) -> int:
     from gerl.config import load_config
 
     cfg = load_config(args.config, args.overrides)  # before the heavy imports: a bad config fails in milliseconds
+    if args.print_config:
+        print(resolved_config_yaml(cfg), end="")
+        return 0
     _quiet_libraries()
     from gerl.trainer import train
 
     run_dir = train(cfg)
     print(f"gerl: run written to {run_dir}  (metrics.jsonl, tensorboard/, samples/, checkpoints/)")
     return 0
+
+
+def resolved_config_yaml(cfg) -> str:
+    """The config as `train` would run it (defaults, preset and overrides applied; secrets redacted), followed by
+    the derived batch arithmetic as YAML comments."""
+    from gerl.config import derived_sizes, to_yaml, trained_steps_per_sample
+
+    sizes = derived_sizes(cfg, trained_steps_per_sample(cfg))
+    return to_yaml(cfg) + "".join(f"# derived: {k} = {v}\n" for k, v in sizes.items())
+
+
+# Flags of sample/eval that default to a run's config.yaml (when --lora is one of its checkpoints), else to the
+# config tree's defaults: (argparse dest, dotted config key).
+RUN_SETTINGS = [("model", "model.path"), ("tiny_seed", "model.tiny_seed"), ("resolution", "model.resolution"),
+                ("max_sequence_length", "model.max_sequence_length"), ("num_steps", "sampling.eval_num_steps"),
+                ("guidance", "sampling.eval_guidance_scale")]
+# Range of each numeric flag: the config key whose RANGES entry applies, or a Range of its own.
+FLAG_RANGES = {"n": None, "batch_size": "sampling.micro_batch_size", "resolution": "model.resolution",
+               "num_steps": "sampling.eval_num_steps", "guidance": "sampling.eval_guidance_scale",
+               "max_sequence_length": "model.max_sequence_length", "seed": "seed", "num_prompts": None}
+
+
+def _run_config_of(lora: str | None) -> Path | None:
+    """RUN/config.yaml when `lora` is RUN/checkpoints/step_N (or a file inside it), else None."""
+    if not lora:
+        return None
+    ckpt = Path(lora) if Path(lora).is_dir() else Path(lora).parent
+    cfg = ckpt.parent.parent / "config.yaml"
+    return cfg if ckpt.parent.name == "checkpoints" and cfg.is_file() else None
+
+
+def _resolve_settings(args) -> None:
+    """Fill the unset model/sampling flags: from the LoRA's run config.yaml if there is one, else the defaults in
+    gerl/config.py. A flag given on the command line always wins. Then check every numeric flag's range."""
+    import dataclasses
+
+    import yaml
+
+    from gerl.config import RANGES, Config, Range
+
+    def get(tree, dotted):
+        for k in dotted.split("."):
+            tree = getattr(tree, k) if dataclasses.is_dataclass(tree) else (tree or {}).get(k)
+        return tree
+
+    run_cfg_path = _run_config_of(args.lora)
+    run_cfg = {}
+    if run_cfg_path is not None:
+        try:
+            run_cfg = yaml.safe_load(run_cfg_path.read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise UserError(f"cannot read {run_cfg_path} ({str(e).splitlines()[0]}); fix it or pass --model, "
+                            "--resolution, ... explicitly") from None
+    taken = []
+    for dest, key in RUN_SETTINGS:
+        if getattr(args, dest, None) is not None:
+            continue
+        value = get(run_cfg, key) if isinstance(run_cfg, dict) else None
+        if value is not None:
+            taken.append(f"{key}={value}")
+        setattr(args, dest, value if value is not None else get(Config(), key))
+    if taken:
+        print(f"gerl: from {run_cfg_path}: {', '.join(taken)} (flags override)", file=sys.stderr)
+    for dest, key in FLAG_RANGES.items():
+        if not hasattr(args, dest):
+            continue
+        rng = RANGES[key] if key else Range(lo=1 if dest == "n" else 0)
+        value = getattr(args, dest)
+        if not rng.ok(value):
+            raise UserError(f"--{dest.replace('_', '-')} {value} must be {rng.text()}" + (f" ({rng.why})" if rng.why else ""))
+    if args.resolution % 16:
+        raise UserError(f"--resolution {args.resolution} must be a multiple of 16")
+
+
+def _json_object(text: str, flag: str) -> dict:
+    """A --kwargs style flag: "" → {}, else a JSON object, or a UserError showing the expected form."""
+    if not text:
+        return {}
+    example = f"{flag} '{{\"rec_only\": true}}'"
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{flag} is not valid JSON ({e.msg}); write a JSON object, e.g. {example}") from None
+    if not isinstance(value, dict):
+        raise UserError(f"{flag} must be a JSON object of keyword arguments, got {type(value).__name__}; e.g. {example}")
+    return value
+
+
+def _reward_error(name: str, e: Exception) -> UserError:
+    msg = str(e).splitlines()[0][:200] if str(e) else ""
+    return UserError(f"reward {name!r} raised {type(e).__name__}: {msg}; fix the reward "
+                     "(gerl --debug ... shows the traceback)")
 
 
 def _pipeline_for(args):
@@ -45,7 +140,7 @@ def _pipeline_for(args):
 
     if args.lora:
         lora_file(args.lora)  # fail on a bad path before loading the model
-    pipe = load_pipeline(args.model, args.dtype, args.device)
+    pipe = load_pipeline(args.model, args.dtype, args.device, args.tiny_seed)
     if args.lora:
         load_lora_into_pipeline(pipe, args.lora)
     sampling = SamplingConfig(micro_batch_size=args.batch_size)
@@ -67,11 +162,14 @@ def _read_prompts(args) -> tuple[list[str], list[dict]]:
 
 def cmd_sample(args) -> int:
     from gerl.logging.images import image_grid
+    from gerl.paths import check_writable
 
+    _resolve_settings(args)
     texts, _ = _read_prompts(args)
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file; pass a directory")
+    check_writable(out, f"--out {out}")
     worker = _pipeline_for(args)
     prompts = [t for t in texts for _ in range(args.n)]
     images = worker.sample_images(prompts, args.seed, args.num_steps, args.guidance)
@@ -86,18 +184,31 @@ def cmd_sample(args) -> int:
 def cmd_eval(args) -> int:
     from rewards.registry import build_reward, call_reward, validate_reward_inputs
 
+    from gerl.paths import check_writable
+
+    _resolve_settings(args)
     texts, meta = _read_prompts(args)
-    kwargs = json.loads(args.reward_kwargs) if args.reward_kwargs else {}
+    kwargs = _json_object(args.reward_kwargs, "--reward-kwargs")
+    if args.out:
+        if Path(args.out).is_dir():
+            raise UserError(f"--out {args.out} is a directory; pass a .json file path")
+        check_writable(Path(args.out).parent, f"--out {args.out}")
     fn = build_reward(args.reward, kwargs)
     validate_reward_inputs(fn, texts, meta)
     worker = _pipeline_for(args)
     images = worker.sample_images(texts, args.seed, args.num_steps, args.guidance)
-    scores, _ = call_reward(fn, images, texts, meta)
+    try:
+        scores, _ = call_reward(fn, images, texts, meta)
+    except UserError:
+        raise
+    except Exception as e:
+        raise _reward_error(args.reward, e) from e
     valid = [s for s in scores if s is not None]
     mean = sum(valid) / max(len(valid), 1)
     result = {"reward": args.reward, "lora": args.lora, "num_prompts": len(texts), "mean": mean,
               "scores": [{"prompt": t, "score": s} for t, s in zip(texts, scores)]}
     if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "scores"}))
     return 0
@@ -124,13 +235,15 @@ def cmd_score(args) -> int:
         prompts, metadata = [p.text for p in loaded[: len(images)]], [dict(p.metadata) for p in loaded[: len(images)]]
     else:
         prompts, metadata = [args.prompt or ""] * len(images), [{} for _ in images]
-    try:
-        kwargs = json.loads(args.kwargs) if args.kwargs else {}
-    except json.JSONDecodeError as e:
-        raise UserError(f"--kwargs is not valid JSON ({e.msg}); write e.g. --kwargs '{{\"rec_only\": true}}'") from None
+    kwargs = _json_object(args.kwargs, "--kwargs")
     fn = build_reward(args.reward, kwargs)
     validate_reward_inputs(fn, prompts, metadata)
-    scores, extras = call_reward(fn, images, prompts, metadata)
+    try:
+        scores, extras = call_reward(fn, images, prompts, metadata)
+    except UserError:
+        raise
+    except Exception as e:
+        raise _reward_error(args.reward, e) from e
     rows = [{"image": path, "prompt": p, "score": s, **{k: v[i] for k, v in extras.items()}}
             for i, (path, p, s) in enumerate(zip(args.images, prompts, scores))]
     print(json.dumps(rows, indent=1, default=str))
@@ -139,35 +252,54 @@ def cmd_score(args) -> int:
 
 def cmd_report(args) -> int:
     from gerl.logging.report import write_report
+    from gerl.paths import check_writable
 
+    if args.out:
+        out = Path(args.out)
+        check_writable(out if out.is_dir() else out.parent, f"--out {out}")
     out = write_report([Path(r) for r in args.runs], Path(args.out) if args.out else None)
     print(f"gerl: report written to {out}")
     return 0
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny", help="'tiny', a local diffusers directory, or a hub id")
-    p.add_argument("--lora", default=None, help="a checkpoint directory or .safetensors LoRA")
+    run = " (default: the LoRA's run config.yaml, else %s)"
+    p.add_argument("--model", default=None, help="'tiny', a local diffusers directory, or a hub id" + run % "tiny")
+    p.add_argument("--lora", default=None, help="a checkpoint directory or .safetensors LoRA; a checkpoint of a run "
+                   "directory also supplies model, resolution, sequence length, steps and guidance")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     p.add_argument("--prompts", default=None, help="a .txt or .jsonl prompt file")
     p.add_argument("--num-prompts", type=int, default=0, help="use the first N prompts of --prompts (0 = all)")
-    p.add_argument("--num-steps", type=int, default=40, help="ODE denoising steps")
-    p.add_argument("--guidance", type=float, default=1.0, help="classifier-free guidance scale")
-    p.add_argument("--resolution", type=int, default=64)
-    p.add_argument("--max-sequence-length", type=int, default=32, help="T5 tokens (SD3.5: 256)")
+    p.add_argument("--num-steps", type=int, default=None, help="ODE denoising steps" + run % "40")
+    p.add_argument("--guidance", type=float, default=None, help="classifier-free guidance scale" + run % "1.0")
+    p.add_argument("--resolution", type=int, default=None, help="image side in pixels" + run % "64")
+    p.add_argument("--max-sequence-length", type=int, default=None, help="T5 tokens, SD3.5: 256" + run % "32")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     p.add_argument("--device", default="auto")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("gerl")
+    except PackageNotFoundError:  # run from a checkout that was never pip-installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gerl", description="Flow-GRPO post-training for SD3")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks")
+    parser.add_argument("--version", action="version", version=f"gerl {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train with a YAML config and dotted key=value overrides")
-    t.add_argument("config")
-    t.add_argument("overrides", nargs="*", help="e.g. train.learning_rate=3e-4 output_dir=runs/x")
+    t.add_argument("config", metavar="CONFIG.yaml", help="a recipe such as recipes/tiny_cpu.yaml")
+    t.add_argument("overrides", nargs="*", default=[], metavar="key=value",  # a default makes argparse call it optional
+                   help="optional dotted overrides, e.g. train.learning_rate=3e-4 output_dir=runs/x")
+    t.add_argument("--print-config", action="store_true",
+                   help="print the fully resolved config as YAML and exit, writing nothing")
     t.set_defaults(fn=cmd_train)
     s = sub.add_parser("sample", help="generate images from the base model or a LoRA")
     _model_args(s)
@@ -199,7 +331,15 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in argv
     if debug:
         argv.remove("--debug")
+    print_config = "--print-config" in argv  # taken out first so it may sit anywhere among the key=value overrides
+    if print_config:
+        argv.remove("--print-config")
     args = build_parser().parse_args(argv)
+    if print_config and args.command != "train":
+        print("gerl: error: --print-config only applies to `gerl train`", file=sys.stderr)
+        return 2
+    if args.command == "train":
+        args.print_config = print_config
     try:
         return args.fn(args)
     except UserError as e:

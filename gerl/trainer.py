@@ -9,7 +9,6 @@ generation runs ahead of training: 0 batches (sync) or up to engine.max_stalenes
 from __future__ import annotations
 
 import math
-import os
 import sys
 import time
 from collections import deque
@@ -23,11 +22,12 @@ from gerl.checkpoint import find_resume_checkpoint
 from gerl.config import Config, derived_sizes, redact, reward_components, to_dict, to_yaml, trained_steps_per_sample
 from gerl.data.prompts import Prompt, PromptSampler, load_prompts
 from gerl.errors import RunAborted, UserError
-from gerl.logging.images import image_grid
-from gerl.logging.metrics import MetricsLogger
+from gerl.logging.images import image_grid, save_grid_captions
+from gerl.logging.metrics import MetricsLogger, read_jsonl
 from gerl.logging.throughput import tracker_for
 from gerl.logging.timeline import Timeline, truncate_timeline
-from gerl.models.loader import lora_file
+from gerl.models.loader import lora_file, resolve_model_path
+from gerl.paths import check_writable
 from gerl.workers.batch import RolloutBatch, subset
 from gerl.workers.reward import RewardResult
 from rewards.registry import build_reward, validate_reward_inputs
@@ -44,11 +44,7 @@ class Prepared:
 
 def _check_output_dir(cfg: Config) -> None:
     out = Path(cfg.output_dir)
-    probe = out
-    while not probe.exists():
-        probe = probe.parent
-    if not probe.is_dir() or not os.access(probe, os.W_OK):
-        raise UserError(f"output_dir {out} is not writable ({probe} is not a writable directory); choose another output_dir")
+    check_writable(out, f"output_dir {out}")
     if out.is_dir() and (out / "metrics.jsonl").exists() and cfg.resume == "false" and not cfg.overwrite:
         raise UserError(f"output_dir {out} already holds a run; pass resume=true to continue it, overwrite=true to "
                         "start over, or choose another output_dir")
@@ -71,13 +67,16 @@ def prepare(cfg: Config) -> Prepared:
         lora_file(cfg.model.init_lora)
     _check_output_dir(cfg)
     resume_from = find_resume_checkpoint(Path(cfg.output_dir), cfg.resume)
+    if resume_from is not None:  # a damaged line inside the logs fails here, before config.yaml is rewritten
+        for log in ("metrics.jsonl", "timeline.jsonl"):
+            read_jsonl(Path(cfg.output_dir) / log)
     pipe = None
     if cfg.engine.kind == "local":
         from gerl.engine.roles import build_pipeline
 
         pipe = build_pipeline(cfg)
-    elif cfg.model.path != "tiny" and not Path(cfg.model.path).exists() and "/" not in cfg.model.path:
-        raise UserError(f"model.path {cfg.model.path!r} is neither 'tiny', an existing directory, nor a hub id")
+    elif (path := resolve_model_path(cfg.model.path)) != "tiny" and not Path(path).exists() and "/" not in path:
+        raise UserError(f"model.path {cfg.model.path!r} is neither 'tiny', 'ocr-mini', an existing directory, nor a hub id")
     return Prepared(train, test, reward_fns, resume_from, pipe)
 
 
@@ -97,7 +96,8 @@ class Trainer:
             self.engine = RayEngine(cfg)
         self.sampler = PromptSampler(self.train_prompts, cfg.data.prompts_per_step, cfg.seed)
         self.sampler_after: dict[int, dict] = {}  # step → sampler position after drawing that step's prompts
-        self.tracker = PerPromptTracker(cfg.train.tracker_buffer) if cfg.train.per_prompt_tracker else None
+        unbiased = cfg.conventions.group_std == "unbiased"
+        self.tracker = PerPromptTracker(cfg.train.tracker_buffer, unbiased) if cfg.train.per_prompt_tracker else None
         self.start_step = 0
         self.counters = {k: 0 for k in (
             "nonfinite_reward_steps_skipped", "nonfinite_updates_skipped", "reward_failed_samples_total",
@@ -169,20 +169,23 @@ class Trainer:
         if self.tracker is not None:
             adv = self.tracker.advantages(batch.prompts, batch.rewards).clamp(-cfg.adv_clip_max, cfg.adv_clip_max)
         else:
-            adv = compute_advantages(cfg.advantage, batch.rewards, batch.group_ids, cfg.adv_clip_max)
+            adv = compute_advantages(cfg.advantage, batch.rewards, batch.group_ids, cfg.adv_clip_max,
+                                     unbiased=self.cfg.conventions.group_std == "unbiased")
         return -adv if cfg.flip_advantage else adv
 
     @torch.no_grad()
     def validate(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
-        prompts = [p.text for p in self.test_prompts]
-        metadata = [dict(p.metadata) for p in self.test_prompts]
+        k = self.cfg.validation.images_per_prompt  # image j of prompt i uses noise seed (validation.seed, i·k + j)
+        prompts = [p.text for p in self.test_prompts for _ in range(k)]
+        metadata = [dict(p.metadata) for p in self.test_prompts for _ in range(k)]
         images, res = self.engine.validate(prompts, metadata)
         valid = [float(v) for v in res.total if math.isfinite(float(v))]
-        grid = image_grid(images)
+        grid = image_grid(images, cols=k if k > 1 else None)  # a row per prompt when it has several images
         grid.save(self.run_dir / "samples" / f"val_step_{step:06d}.png")
+        save_grid_captions(self.run_dir / "samples" / f"val_step_{step:06d}.json", prompts, res.total)
         self.logger.log_image("validation/images", grid, step)
-        return {"val_reward_mean": sum(valid) / max(len(valid), 1), "val_num_prompts": len(prompts),
+        return {"val_reward_mean": sum(valid) / max(len(valid), 1), "val_num_prompts": len(self.test_prompts), "val_images": len(prompts),
                 "validate_s": time.perf_counter() - t0}
 
     def checkpoint(self, step: int) -> None:

@@ -1,12 +1,26 @@
 #!/usr/bin/env bash
-# Shared by the run_sd3_fast_*.sh recipes: train, then print throughput (images/s/GPU) and GPU-hours.
-#   bash recipes/_launch.sh MODEL DATASET_DIR OUTPUT_DIR [key=value ...]
+# Shared by the run_sd3_fast_*.sh recipes (GeRL's rows): train recipes/gerl_sd3_fast_ocr.yaml for EPOCHS (default
+# 15, GeRL's trainer.total_epochs) over DATASET_DIR/train.txt, then print throughput (images/s/GPU) and GPU-hours.
+#   bash recipes/_launch.sh MODEL DATASET_DIR OUTPUT_DIR [key=value ...] [--print-config]
+# PROMPTS_PER_STEP (default 8) must match data.prompts_per_step for the epoch arithmetic; max_steps=N overrides it.
+# --print-config prints the resolved config and exits without training or writing anything.
 set -euo pipefail
 MODEL="$1"; DATA="$2"; OUT="$3"; shift 3
 cd "$(dirname "$0")/.."
 [ -f .venv/bin/activate ] && . .venv/bin/activate
-gerl train recipes/sd3_fast_ocr_1gpu.yaml model.path="$MODEL" data.train_prompts="$DATA/train.txt" \
-  data.test_prompts="$DATA/test.txt" output_dir="$OUT" "$@"
+if [ ! -f "$DATA/train.txt" ] || [ ! -f "$DATA/test.txt" ]; then
+  echo "gerl: error: $DATA must hold train.txt and test.txt (Flow-GRPO's dataset/ocr layout)" >&2
+  exit 2
+fi
+# GeRL's dataloader drops the last partial batch: an epoch is floor(prompts / prompts per step) steps.
+PROMPTS=$(grep -c . "$DATA/train.txt" || true)
+STEPS=$(( (PROMPTS / ${PROMPTS_PER_STEP:-8}) * ${EPOCHS:-15} ))
+[ "$STEPS" -ge 1 ] || STEPS=1
+PRINT_ONLY=0
+for arg in "$@"; do [ "$arg" = "--print-config" ] && PRINT_ONLY=1; done
+gerl train recipes/gerl_sd3_fast_ocr.yaml model.path="$MODEL" data.train_prompts="$DATA/train.txt" \
+  data.test_prompts="$DATA/test.txt" output_dir="$OUT" max_steps="$STEPS" "$@"
+[ "$PRINT_ONLY" = 1 ] && exit 0
 python - "$OUT" <<'PY'
 import json, sys, yaml
 run = sys.argv[1]

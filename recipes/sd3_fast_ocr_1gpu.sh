@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# bash recipes/sd3_fast_ocr_1gpu.sh MODEL_PATH_OR_HUB_ID DATASET_DIR [key=value ...]
+# bash recipes/sd3_fast_ocr_1gpu.sh MODEL_PATH_OR_HUB_ID DATASET_DIR [key=value ...] [--print-config]
 # Flow-GRPO-Fast, SD3.5-M, OCR reward, one GPU, with_reward on. DATASET_DIR holds train.txt and test.txt
 # (Flow-GRPO's dataset/ocr layout). Ends by printing throughput and GPU-hours.
 set -euo pipefail
@@ -10,6 +10,7 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-runs/sd3_fast_ocr_1gpu}"
 gerl train recipes/sd3_fast_ocr_1gpu.yaml model.path="$MODEL" data.train_prompts="$DATA/train.txt" \
   data.test_prompts="$DATA/test.txt" output_dir="$OUT" "$@"
+for arg in "$@"; do [ "$arg" = "--print-config" ] && exit 0; done  # printed, nothing ran
 python - "$OUT" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(f"{sys.argv[1]}/metrics.jsonl") if l.strip()]

@@ -1,8 +1,13 @@
 """Flow-GRPO's OCR reward: how closely the text an OCR model reads in the image matches the prompt's quoted text.
 
 The prompt `A neon sign that says "OPEN LATE"` has target text `OPEN LATE`. Both the recognised text and the
-target are lower-cased with all whitespace removed; the score is 1.0 if the target occurs in the recognised
+target are lower-cased with whitespace removed; the score is 1.0 if the target occurs in the recognised
 text, else `1 - min(levenshtein(recognised, target), len(target)) / len(target)`, which lies in [0, 1].
+
+Two conventions differ from Flow-GRPO's and GeRL's code, which `strip="spaces"` and `strict_confidence=True`
+reproduce (conventions.preset=flow_grpo / gerl_mm_grpo sets both): the peers remove only U+0020 spaces
+(`str.replace(" ", "")`) where gerl removes every whitespace character (tabs, newlines, no-break spaces...), and
+they keep recognised lines with confidence > 0 where gerl keeps those ≥ min_confidence (0.0).
 
 Backends:
 - `rapidocr` (default): PP-OCR ONNX models shipped inside the `rapidocr` wheel; CPU, offline.
@@ -39,9 +44,17 @@ def extract_target(prompt: str) -> str | None:
     return target or None
 
 
-def normalize_text(text: str) -> str:
-    """Lower-case and drop every whitespace character (Flow-GRPO compares text this way)."""
-    return "".join(text.split()).lower()
+STRIP_MODES = ("whitespace", "spaces")
+
+
+def normalize_text(text: str, strip: str = "whitespace") -> str:
+    """Lower-case and drop every whitespace character (strip="whitespace") or only U+0020 spaces ("spaces", the
+    peers' `text.replace(" ", "").lower()`)."""
+    if strip == "whitespace":
+        return "".join(text.split()).lower()
+    if strip == "spaces":
+        return text.replace(" ", "").lower()
+    raise ValueError(f"unknown OCR strip mode {strip!r}; choose one of {', '.join(STRIP_MODES)}")
 
 
 def levenshtein(a: str, b: str) -> int:
@@ -61,13 +74,13 @@ def levenshtein(a: str, b: str) -> int:
     return previous[-1]
 
 
-def ocr_score(recognized: str, target: str) -> float:
+def ocr_score(recognized: str, target: str, strip: str = "whitespace") -> float:
     """Flow-GRPO's OCR score in [0, 1] of `recognized` text against `target` text (see the module docstring).
 
     Raises:
         ValueError: the target is empty after normalisation (nothing to score against).
     """
-    recognized, target = normalize_text(recognized), normalize_text(target)
+    recognized, target = normalize_text(recognized, strip), normalize_text(target, strip)
     if not target:
         raise ValueError("ocr_score needs a non-empty target text")
     if target in recognized:
@@ -96,7 +109,9 @@ class OcrReward:
             736 px one.
         num_threads: threads per OCR call (onnxruntime intra-op threads, or PaddleOCR cpu_threads); 1 lets
             several reward worker processes share the CPU; 0 lets the runtime use every core.
-        min_confidence: drop recognised text lines scored below this (0.0 keeps all, as Flow-GRPO does).
+        min_confidence: drop recognised text lines scored below this (0.0 keeps all but negative scores).
+        strict_confidence: keep only lines scored strictly above min_confidence (the peers keep score > 0).
+        strip: "whitespace" removes every whitespace character before comparing; "spaces" only U+0020 (peers).
         paddle_kwargs: extra keyword arguments for `paddleocr.PaddleOCR` (e.g. {"device": "gpu:0", "lang": "en"}).
     """
 
@@ -110,7 +125,13 @@ class OcrReward:
         num_threads: int = 1,
         min_confidence: float = 0.0,
         paddle_kwargs: dict | None = None,
+        strict_confidence: bool = False,
+        strip: str = "whitespace",
     ):
+        if strip not in STRIP_MODES:
+            raise UserError(f"unknown OCR strip mode {strip!r}; set reward.kwargs.strip to one of {list(STRIP_MODES)}")
+        if not isinstance(strict_confidence, bool):
+            raise UserError(f"OCR strict_confidence must be true or false, got {strict_confidence!r}")
         if backend not in BACKENDS:
             raise UserError(f"unknown OCR backend {backend!r}; set reward.kwargs.backend to one of {list(BACKENDS)}")
         if backend == "paddleocr" and importlib.util.find_spec("paddleocr") is None:
@@ -130,6 +151,7 @@ class OcrReward:
         self.det_limit_side_len = det_limit_side_len
         self.num_threads = num_threads
         self.min_confidence = float(min_confidence)
+        self.strict_confidence, self.strip = strict_confidence, strip
         self.paddle_kwargs = dict(paddle_kwargs or {})
         self._engine = None
         self._lock = threading.Lock()  # reward threads may share one instance; load the model once
@@ -151,7 +173,7 @@ class OcrReward:
         for image, prompt, meta in zip(images, prompts, metadata):
             target = target_for(prompt, meta)
             text = self.read(image) if target is not None else ""
-            scores.append(ocr_score(text, target) if target is not None else None)
+            scores.append(ocr_score(text, target, self.strip) if target is not None else None)
             texts.append(text)
         return scores, {"ocr_text": texts}
 
@@ -161,12 +183,17 @@ class OcrReward:
         bgr = np.ascontiguousarray(np.asarray(image.convert("RGB"))[:, :, ::-1])
         engine = self._load()
         if self.backend == "rapidocr":
-            lines = list(engine(bgr).txts or ())  # txts is None when nothing was found
+            res = engine(bgr)
+            scored = list(zip(res.txts or (), res.scores or ()))  # None when nothing was found
         elif self.rec_only:
-            lines = [r["rec_text"] for r in engine.predict(bgr) if r["rec_score"] >= self.min_confidence]
+            scored = [(r["rec_text"], r["rec_score"]) for r in engine.predict(bgr)]
         else:
-            lines = [t for r in engine.predict(bgr) for t in r["rec_texts"]]
-        return " ".join(line for line in lines if line.strip())
+            scored = [ts for r in engine.predict(bgr) for ts in zip(r["rec_texts"], r["rec_scores"])]
+        return " ".join(t for t, score in scored if self.keeps(float(score)) and t.strip())
+
+    def keeps(self, confidence: float) -> bool:
+        """Whether a recognised line with this confidence counts (≥ min_confidence, or > with strict_confidence)."""
+        return confidence > self.min_confidence if self.strict_confidence else confidence >= self.min_confidence
 
     def validate(self, prompts: list[str], metadata: list[dict]) -> None:
         """Raise UserError naming the prompts that have no target text (so they could never be scored)."""
@@ -231,6 +258,9 @@ def ocr(
     num_threads: int = 1,
     min_confidence: float = 0.0,
     paddle_kwargs: dict | None = None,
+    strict_confidence: bool = False,
+    strip: str = "whitespace",
 ) -> OcrReward:
     """Flow-GRPO's OCR reward (see `OcrReward` for the arguments)."""
-    return OcrReward(backend, rec_only, det_limit_side_len, num_threads, min_confidence, paddle_kwargs)
+    return OcrReward(backend, rec_only, det_limit_side_len, num_threads, min_confidence, paddle_kwargs,
+                     strict_confidence, strip)

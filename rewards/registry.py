@@ -118,7 +118,13 @@ def build_reward(name: str, kwargs: dict | None = None) -> RewardFn:
             )
         return target
     _check_kwargs(name, target, kwargs)
-    return target(**kwargs)
+    try:
+        return target(**kwargs)
+    except UserError:
+        raise
+    except Exception as e:  # e.g. a factory refusing a kwarg's value: the user's to fix, not a crash
+        raise UserError(f"reward factory {name!r} raised {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}; "
+                        "check reward.kwargs (--debug shows the traceback)") from e
 
 
 def call_reward(
@@ -202,6 +208,11 @@ def _import_attr(spec: str) -> Any:
         raise UserError(
             f"cannot import module {module_name!r} for reward {spec!r} ({e}); check the name and PYTHONPATH"
         )
+    except Exception as e:  # the module itself is broken (SyntaxError, an error at import time): say where
+        raise UserError(
+            f"importing module {module_name!r} for reward {spec!r} raised {type(e).__name__}: "
+            f"{str(e).splitlines()[0][:200] if str(e) else ''}; fix the module (--debug shows the traceback)"
+        ) from e
     obj = module
     for part in attr.split("."):
         if not hasattr(obj, part):

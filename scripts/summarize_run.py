@@ -17,9 +17,12 @@ def main(run_dir: str) -> None:
     total = sum(r.get("step_s", 0) for r in train)
     print(f"{run_dir}: {len(train)} steps in {total:.0f} s of step time")
     print(f"  train reward, mean of first {k} steps: {first:.4f}   last {k} steps: {last:.4f}   change: {last - first:+.4f}")
-    for r in rows:
-        if "val_reward_mean" in r:
-            print(f"  validation at step {r['step']:>4}: {r['val_reward_mean']:.4f}")
+    val = [r for r in rows if r.get("val_reward_mean") is not None]
+    for r in val:
+        print(f"  validation at step {r['step']:>4}: {r['val_reward_mean']:.4f}")
+    if len(val) > 1:
+        print(f"  validation change: {val[-1]['val_reward_mean'] - val[0]['val_reward_mean']:+.4f} "
+              f"(step {val[0]['step']} → {val[-1]['step']})")
     print(f"  max |ratio-1| before any update, over all steps: {max(r.get('ratio_max_dev_before_update', 0) for r in train):.2e}")
     print(f"  look at: {run_dir}/samples/*.png   tensorboard --logdir {run_dir}/tensorboard")
 

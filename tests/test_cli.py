@@ -80,14 +80,32 @@ def test_output_dir_not_writable(capsys, tmp_path):
 
 
 def test_sample_and_eval_with_a_trained_lora(capsys, tmp_path):
+    from PIL import Image
+
+    # A run whose settings differ from the CLI defaults: sample/eval must take them from its config.yaml.
     assert main(["train", RECIPE, f"output_dir={tmp_path / 'run'}", *FAST, "data.prompts_per_step=1",
                  "data.group_size=4", "sampling.micro_batch_size=4", "train.mini_batch_size=4",
-                 "train.micro_batch_size=4"]) == 0
+                 "train.micro_batch_size=4", "model.resolution=32", "model.tiny_seed=3",
+                 "sampling.eval_num_steps=3"]) == 0
     ckpt = tmp_path / "run/checkpoints/step_000001"
     assert (ckpt / "pytorch_lora_weights.safetensors").is_file()
-    assert main(["sample", "--lora", str(ckpt), "--prompt", 'a sign that says "hi"', "--n", "2", "--num-steps", "4",
+    capsys.readouterr()
+    assert main(["sample", "--lora", str(ckpt), "--prompt", 'a sign that says "hi"', "--n", "2",
                  "--out", str(tmp_path / "imgs")]) == 0
+    note = capsys.readouterr().err
+    assert "model.resolution=32" in note and "model.tiny_seed=3" in note and "sampling.eval_num_steps=3" in note
     assert sorted(p.name for p in (tmp_path / "imgs").iterdir()) == ["0000.png", "0001.png", "grid.png"]
+    with Image.open(tmp_path / "imgs/0000.png") as im:
+        assert im.size == (32, 32)
+    # a flag still wins over the run's config
+    assert main(["sample", "--lora", str(ckpt / "pytorch_lora_weights.safetensors"), "--prompt", "x",
+                 "--resolution", "48", "--num-steps", "2", "--out", str(tmp_path / "imgs48")]) == 0
+    with Image.open(tmp_path / "imgs48/0000.png") as im:
+        assert im.size == (48, 48)
+    # the same seed, steps and run settings give the same image whether they come from config.yaml or from flags
+    assert main(["sample", "--lora", str(ckpt), "--prompt", 'a sign that says "hi"', "--n", "2", "--resolution", "32",
+                 "--num-steps", "3", "--model", "tiny", "--out", str(tmp_path / "explicit")]) == 0
+    assert (tmp_path / "explicit/0000.png").read_bytes() == (tmp_path / "imgs/0000.png").read_bytes()
     capsys.readouterr()
     assert main(["eval", "--lora", str(ckpt), "--prompts", str(REPO / "assets/ocr/test.txt"), "--num-prompts", "3",
                  "--num-steps", "4", "--reward", "jpeg_compressibility", "--out", str(tmp_path / "eval.json")]) == 0
@@ -96,7 +114,144 @@ def test_sample_and_eval_with_a_trained_lora(capsys, tmp_path):
     assert len(json.loads((tmp_path / "eval.json").read_text())["scores"]) == 3
 
 
+def test_training_starts_from_model_init_lora(tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    small = [*FAST, "data.prompts_per_step=1", "data.group_size=4", "sampling.micro_batch_size=4",
+             "train.mini_batch_size=4", "train.micro_batch_size=4"]
+    assert main(["train", RECIPE, f"output_dir={tmp_path / 'a'}", *small, "train.learning_rate=0.05"]) == 0
+    start = tmp_path / "a/checkpoints/step_000001"
+    # a learning rate too small to move the weights: run b must end where run a's LoRA began it
+    assert main(["train", RECIPE, f"output_dir={tmp_path / 'b'}", *small, f"model.init_lora={start}",
+                 "train.learning_rate=1e-12"]) == 0
+    a = load_file(str(start / "trainable.safetensors"))
+    b = load_file(str(tmp_path / "b/checkpoints/step_000001/trainable.safetensors"))
+    assert a.keys() == b.keys()
+    assert any(k for k in a if "lora_B" in k and a[k].abs().max() > 0), "run a's LoRA must have moved off zero"
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-6)
+
+
 def test_sample_with_missing_lora(capsys, tmp_path):
     _fails(capsys, ["sample", "--lora", str(tmp_path / "missing"), "--prompt", "x", "--out", str(tmp_path / "o")],
            "does not exist")
     assert not (tmp_path / "o").exists()
+
+
+# ------------------------------------------------------------------ bad input through the real executable
+#
+# One row per class of bad input, run by the installed `gerl` console script in a fresh process: exit 2, exactly one
+# stderr line naming the problem, no traceback, and the sandbox directory holds nothing new afterwards.
+
+BROKEN_MODULES = {
+    "broken_at_import.py": "raise ValueError('this reward module is broken at import')\n",
+    "raising_reward.py": "def reward(images, prompts, metadata):\n    raise ZeroDivisionError('bad reward math')\n",
+    "picky_factory.py": ("from rewards.registry import reward_factory\n\n@reward_factory\ndef make(scale: float = 1.0):\n"
+                         "    if scale <= 0:\n        raise ValueError('scale must be positive')\n"
+                         "    return lambda images, prompts, metadata: [scale] * len(images)\n"),
+}
+TRAIN = ["train", RECIPE, *FAST]
+PROMPT = ["--prompt", 'a sign that says "hi"']
+
+# (case id, argv with {tmp} placeholders, text the one stderr line must contain)
+BAD_INPUTS = [
+    # numeric config values out of range, named by key before any model loads
+    ("resolution_0", [*TRAIN, "output_dir={tmp}/run", "model.resolution=0"], "model.resolution=0 must be ≥ 16"),
+    ("adv_clip_negative", [*TRAIN, "output_dir={tmp}/run", "train.adv_clip_max=-1"], "train.adv_clip_max=-1.0 must be > 0"),
+    ("seed_negative", [*TRAIN, "output_dir={tmp}/run", "seed=-1"], "seed=-1 must be in"),
+    ("checkpoint_every_negative", [*TRAIN, "output_dir={tmp}/run", "checkpoint.every=-5"], "checkpoint.every=-5"),
+    ("unknown_key_and_range", [*TRAIN, "output_dir={tmp}/run", "train.lr=1", "validation.every=-2"],
+     "did you mean 'train.learning_rate'?); validation.every=-2"),
+    # numeric flags of sample out of range
+    ("sample_n_0", ["sample", *PROMPT, "--n", "0", "--out", "{tmp}/imgs"], "--n 0 must be ≥ 1"),
+    ("sample_batch_0", ["sample", *PROMPT, "--batch-size", "0", "--out", "{tmp}/imgs"], "--batch-size 0 must be ≥ 1"),
+    ("sample_resolution_60", ["sample", *PROMPT, "--resolution", "60", "--out", "{tmp}/imgs"], "multiple of 16"),
+    ("sample_steps_0", ["sample", *PROMPT, "--num-steps", "0", "--out", "{tmp}/imgs"], "--num-steps 0 must be ≥ 1"),
+    # kwargs flags that are not a JSON object
+    ("eval_kwargs_list", ["eval", *PROMPT, "--reward", "jpeg_compressibility", "--reward-kwargs", "[1, 2]"],
+     "--reward-kwargs must be a JSON object"),
+    ("score_kwargs_bad_json", ["score", "jpeg_compressibility", "{tmp}/img.png", "--kwargs", "{{oops"],
+     "--kwargs is not valid JSON"),
+    # reward modules that fail: at import (train, eval, score), in the factory, inside the call
+    ("train_reward_import", [*TRAIN, "output_dir={tmp}/run", "reward.name=broken_at_import:reward"],
+     "raised ValueError: this reward module is broken at import"),
+    ("eval_reward_import", ["eval", *PROMPT, "--reward", "broken_at_import:reward"], "broken at import"),
+    ("score_reward_import", ["score", "broken_at_import:reward", "{tmp}/img.png"], "broken at import"),
+    ("score_factory_raises", ["score", "picky_factory:make", "{tmp}/img.png", "--kwargs", '{{"scale": -1}}'],
+     "raised ValueError: scale must be positive"),
+    ("score_reward_raises", ["score", "raising_reward:reward", "{tmp}/img.png"],
+     "reward 'raising_reward:reward' raised ZeroDivisionError: bad reward math"),
+    # a LoRA path to a file that is not a LoRA
+    ("train_init_lora_text", [*TRAIN, "output_dir={tmp}/run", "model.init_lora={tmp}/img.png"],
+     "not a readable safetensors file"),
+    ("sample_lora_not_lora", ["sample", *PROMPT, "--lora", "{tmp}/plain.safetensors", "--out", "{tmp}/imgs"],
+     "holds no LoRA weights"),
+    # outputs that cannot be written (/proc refuses new files even to root, unlike what os.access says)
+    ("train_output_proc", [*TRAIN, "output_dir=/proc/gerl_run"], "output_dir /proc/gerl_run is not writable"),
+    ("sample_out_proc", ["sample", *PROMPT, "--out", "/proc/gerl_imgs"], "--out /proc/gerl_imgs is not writable"),
+    ("eval_out_proc", ["eval", *PROMPT, "--reward", "jpeg_compressibility", "--out", "/proc/gerl/eval.json"],
+     "--out /proc/gerl/eval.json is not writable"),
+    ("report_out_proc", ["report", "{tmp}/fake_run", "--out", "/proc/gerl/report.html"],
+     "--out /proc/gerl/report.html is not writable"),
+    # an immutable directory (chattr +i): root may write anywhere else, but not there
+    ("train_output_immutable", [*TRAIN, "output_dir={tmp}/immutable/run"], "immutable/run is not writable"),
+    ("sample_out_immutable", ["sample", *PROMPT, "--out", "{tmp}/immutable"], "--out {tmp}/immutable is not writable"),
+]
+
+
+def _sandbox(tmp_path: Path) -> None:
+    from PIL import Image
+    from safetensors.torch import save_file
+    import torch
+
+    for name, text in BROKEN_MODULES.items():
+        (tmp_path / name).write_text(text)
+    Image.new("RGB", (32, 32), "white").save(tmp_path / "img.png")
+    save_file({"weight": torch.zeros(2, 2)}, str(tmp_path / "plain.safetensors"))
+    (tmp_path / "fake_run").mkdir()
+    (tmp_path / "fake_run" / "metrics.jsonl").write_text('{"step": 1, "reward_mean": 0.5}\n')
+
+
+def _snapshot(root: Path) -> dict:
+    return {str(p.relative_to(root)): p.stat().st_size for p in root.rglob("*")}
+
+
+@pytest.fixture
+def immutable_dir(tmp_path):
+    """tmp_path/immutable with the immutable attribute set (needs CAP_LINUX_IMMUTABLE; skipped without it)."""
+    d = tmp_path / "immutable"
+    d.mkdir()
+    if subprocess.run(["chattr", "+i", str(d)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not permitted here")
+    yield d
+    subprocess.run(["chattr", "-i", str(d)], check=True)
+
+
+@pytest.mark.parametrize("case, argv, expected", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(request, tmp_path, case, argv, expected):
+    import os
+
+    if "immutable" in case:
+        request.getfixturevalue("immutable_dir")
+    _sandbox(tmp_path)
+    before = _snapshot(tmp_path)
+    exe = Path(sys.executable).parent / "gerl"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([str(exe), *[a.format(tmp=tmp_path) for a in argv]], capture_output=True, text=True,
+                       timeout=300, cwd=tmp_path, env=env)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2, r.stderr
+    assert len(lines) == 1 and lines[0].startswith("gerl: error: ") and "Traceback" not in r.stderr, r.stderr
+    assert expected.format(tmp=tmp_path) in lines[0], lines[0]
+    assert _snapshot(tmp_path) == before, "a refused command must not write anything"
+
+
+def test_version_and_train_usage():
+    exe = Path(sys.executable).parent / "gerl"
+    r = subprocess.run([str(exe), "--version"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.startswith("gerl ") and r.stdout.split()[1][0].isdigit(), r.stdout
+    r = subprocess.run([str(exe), "train"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert "[key=value ...]" in r.stderr  # overrides are shown as optional...
+    assert "required: CONFIG.yaml" in r.stderr and "key=value" not in r.stderr.splitlines()[-1]  # ...and not required

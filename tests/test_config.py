@@ -1,10 +1,13 @@
 """The typed config: defaults, overrides, errors that name the closest key, batch arithmetic, shipped recipes."""
 
+import dataclasses
+import re
 from pathlib import Path
 
 import pytest
 
-from gerl.config import Config, derived_sizes, load_config, trained_steps_per_sample, validate
+from gerl.config import (RANGES, Config, RewardComponent, derived_sizes, load_config, numeric_fields,
+                         trained_steps_per_sample, validate)
 from gerl.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -94,13 +97,95 @@ def test_every_gpu_launcher_validates(script):
 
     lines = script.read_text().splitlines()
     assert lines[1].startswith(f"# bash recipes/{script.name}"), "a launcher opens with its launch command"
-    exec_line = next(line for line in lines if line.startswith("exec "))
+    exec_line = next(line for line in lines if "exec bash" in line)
     words = shlex.split(exec_line)
     overrides = [w for w in words if "=" in w and not w.startswith("$") and "." in w.split("=")[0]]
     assert overrides, exec_line
-    load_config(str(REPO / "recipes" / "sd3_fast_ocr_1gpu.yaml"), overrides)
+    load_config(str(REPO / "recipes" / "gerl_sd3_fast_ocr.yaml"), overrides)
 
 
 def test_gpu_launchers_exist():
     names = {s.name for s in SCRIPTS}
     assert {"run_sd3_fast_3p_a1_r2.sh", "run_sd3_fast_3p_a2_r1.sh", "run_sd3_fast_3p_hybrid.sh"} <= names
+
+
+# ------------------------------------------------------------------ ranges of every numeric field
+
+def _tree_with_every_field():
+    """The default tree plus one reward component, so the component fields are walked too."""
+    return Config(reward=dataclasses.replace(Config().reward, components=[RewardComponent(name="ocr")]))
+
+
+def test_every_numeric_field_has_a_range_and_every_range_a_field():
+    keys = {k for k, _, _ in numeric_fields(_tree_with_every_field())}
+    assert keys - set(RANGES) == set(), "numeric fields without a range in gerl.config.RANGES"
+    assert set(RANGES) - keys == set(), "RANGES entries that name no numeric field"
+    assert validate(_tree_with_every_field()) == []  # every default is inside its own range
+
+
+def _outside(rng) -> float:
+    if rng.lo is not None:
+        return rng.lo if rng.lo_open else rng.lo - 1
+    if rng.hi is not None:
+        return rng.hi if rng.hi_open else rng.hi + 1
+    return float("inf")
+
+
+def _get_default(key: str):
+    node = Config()
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def _override(key: str, bad) -> tuple[str, str]:
+    """(override, the key as the error names it) setting `key` — or the first element of a list field — to `bad`."""
+    if key.startswith("reward.components[]."):
+        field = key.rsplit(".", 1)[1]
+        return f"reward.components=[{{name: ocr, {field}: {bad}}}]", f"reward.components[0].{field}"
+    default = _get_default(key)
+    if isinstance(default, list):
+        return f"{key}=[{', '.join(map(str, [bad, *default[1:]]))}]", f"{key}[0]"
+    return f"{key}={bad}", key
+
+
+@pytest.mark.parametrize("key", sorted(RANGES))
+def test_a_value_just_outside_each_range_is_refused_naming_the_key(key):
+    rng = RANGES[key]
+    bad = _outside(rng)
+    sample = None if "[]" in key else _get_default(key)
+    sample = sample[0] if isinstance(sample, list) else sample
+    if isinstance(sample, int) and float(bad).is_integer():
+        bad = int(bad)  # an int field is given an int, so the range check (not the type check) must refuse it
+    override, shown = _override(key, ".inf" if bad == float("inf") else bad)
+    with pytest.raises(UserError) as e:
+        load_config(None, [override])
+    assert f"{shown}=" in str(e.value) and rng.text() in str(e.value), str(e.value)
+
+
+def test_issue_examples_are_refused_before_anything_loads():
+    for override, words in (("model.resolution=0", "model.resolution=0 must be ≥ 16"),
+                            ("model.resolution=-16", "model.resolution=-16"),
+                            ("train.adv_clip_max=-1", "train.adv_clip_max=-1.0 must be > 0"),
+                            ("checkpoint.every=-2", "checkpoint.every=-2 must be ≥ 0"),
+                            ("validation.every=-2", "validation.every=-2 must be ≥ -1"),
+                            ("train.max_grad_norm=-1", "train.max_grad_norm=-1.0 must be ≥ 0"),
+                            ("seed=-1", "seed=-1 must be in [0, 4294967295]"),
+                            ("train.learning_rate=.nan", "train.learning_rate=nan")):
+        with pytest.raises(UserError, match=re.escape(words)):
+            load_config(None, [override])
+
+
+def test_mistyped_keys_are_matched_by_their_last_component():
+    for typed, meant in (("train.lr", "train.learning_rate"), ("learning_rate", "train.learning_rate"),
+                         ("model.group_size", "data.group_size"), ("train.clip", "train.clip_range")):
+        with pytest.raises(UserError, match=re.escape(f"unknown key {typed!r} (did you mean {meant!r}?)")):
+            load_config(None, [f"{typed}=1"])
+
+
+def test_unknown_keys_type_errors_and_range_errors_are_reported_together():
+    with pytest.raises(UserError) as e:
+        load_config(None, ["train.lr=1", "max_steps=ten", "seed=-1", "checkpoint.every=-3"])
+    msg = str(e.value)
+    for part in ("unknown key 'train.lr'", "max_steps: expected an integer", "seed=-1", "checkpoint.every=-3"):
+        assert part in msg, msg

@@ -4,6 +4,21 @@ from __future__ import annotations
 
 import torch
 
+KL_STDS = ("transition", "noise_coef")
+
+
+def kl_penalty(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """‖mean − ref_mean‖² / (2·std²), averaged over elements (like the log-prob) then over the batch → scalar.
+
+    With `std` the transition's std (conventions.kl_std = transition) this is exactly KL(π‖π_ref) of the two
+    Gaussian transitions, which share that std. Flow-GRPO and GeRL pass their `std_dev_t` instead (kl_std =
+    noise_coef): the same for CPS, but for the SDE it is g without the sqrt(−dt) factor, so their KL is −dt times
+    the true one (3.7–25× smaller on a 10-step shift-3 schedule) and their β means correspondingly more.
+
+    Shapes: mean, ref_mean (B, C, h, w); std (B, 1, 1, 1).
+    """
+    return (((mean - ref_mean) ** 2) / (2 * std**2)).mean(dim=tuple(range(1, mean.ndim))).mean()
+
 
 def grpo_loss(
     log_prob: torch.Tensor,
@@ -23,9 +38,8 @@ def grpo_loss(
         old_log_prob: (B,) log-probs of the policy that sampled the transitions (rollout's, or recomputed).
         advantages: (B,) already clipped.
         clip_range: ε of the PPO clip on the ratio.
-        beta: KL weight; when > 0, `mean`, `ref_mean` (B, C, h, w) and `std` (B, 1, 1, 1) are needed. Both
-            policies' transitions are Gaussians with the same std, so KL = ‖mean − ref_mean‖² / (2 std²),
-            averaged over elements like the log-prob.
+        beta: KL weight; when > 0, `mean`, `ref_mean` (B, C, h, w) and `std` (B, 1, 1, 1) are needed: see
+            `kl_penalty` (the caller picks which std the convention divides by).
         ratio_cap: if > 0, the ratio is truncated at this value before clipping (stale batches).
     Returns:
         (scalar loss, detached stats: policy_loss, kl, ratio, clipfrac, approx_kl)
@@ -39,7 +53,7 @@ def grpo_loss(
     loss = policy_loss
     kl = torch.zeros((), device=log_prob.device)
     if beta > 0:
-        kl = (((mean - ref_mean) ** 2) / (2 * std**2)).mean(dim=tuple(range(1, mean.ndim))).mean()
+        kl = kl_penalty(mean, ref_mean, std)
         loss = loss + beta * kl
     stats = {
         "policy_loss": policy_loss.detach(),

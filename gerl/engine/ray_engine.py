@@ -181,6 +181,24 @@ def _broadcast(params: list[torch.Tensor], group, bucket_mb: int, src: int, rece
     flush()
 
 
+def check_ray_address(address: str, timeout_s: float = 10.0) -> None:
+    """UserError within `timeout_s` when a host:port engine.ray_address accepts no connection: ray.init would
+    otherwise retry for minutes. "auto" is left to ray.init, which fails fast when no cluster runs here."""
+    host_port = address.split("://", 1)[-1]
+    if address == "auto" or ":" not in host_port:
+        return
+    host, _, port = host_port.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            pass
+    except ValueError:
+        raise UserError(f"engine.ray_address={address}: the port {port!r} is not a number; write host:port, "
+                        "e.g. 10.0.0.1:6379, or auto") from None
+    except OSError as e:
+        raise UserError(f"engine.ray_address={address}: nothing answers at {host}:{port} ({e.strerror or e}); start "
+                        "the cluster with `ray start --head`, fix the address, or leave it empty for a local Ray") from None
+
+
 class RayEngine:
     def __init__(self, cfg):
         try:
@@ -195,7 +213,12 @@ class RayEngine:
             os.environ["PYTHONPATH"] = os.pathsep.join([os.getcwd(), *sys.path[1:3], os.environ.get("PYTHONPATH", "")])
             kwargs = {"include_dashboard": False, "log_to_driver": True}
             if g.ray_address:
-                ray.init(address=g.ray_address, **kwargs)
+                check_ray_address(g.ray_address)
+                try:
+                    ray.init(address=g.ray_address, **kwargs)
+                except ConnectionError as e:
+                    raise UserError(f"engine.ray_address={g.ray_address}: no Ray cluster there ({str(e).splitlines()[0][:160]}); "
+                                    "start one with `ray start --head`, or set engine.ray_address= to start a local Ray") from None
             else:
                 ray.init(num_cpus=os.cpu_count(), **kwargs)
         self.use_gpu = g.device == "cuda" or (g.device == "auto" and torch.cuda.is_available())

@@ -14,7 +14,7 @@ import torch
 
 from gerl.checkpoint import load_checkpoint, save_checkpoint
 from gerl.config import Config, reward_components, trained_steps_per_sample, derived_sizes
-from gerl.models.loader import TextEmbedder, add_lora, load_pipeline, lora_file
+from gerl.models.loader import TextEmbedder, add_lora, load_lora_into_pipeline, load_pipeline
 from gerl.workers.actor import ActorWorker
 from gerl.workers.reward import RewardResult, RewardSet
 from gerl.workers.rollout import RolloutWorker
@@ -35,8 +35,7 @@ def build_pipeline(cfg: Config, device: str | None = None):
     pipe = load_pipeline(cfg.model.path, cfg.model.dtype, device or cfg.model.device, cfg.model.tiny_seed)
     if cfg.model.lora:
         if cfg.model.init_lora:
-            f = lora_file(cfg.model.init_lora)
-            pipe.load_lora_weights(str(f.parent), weight_name=f.name, adapter_name="default")
+            load_lora_into_pipeline(pipe, cfg.model.init_lora, adapter_name="default")
             for name, p in pipe.transformer.named_parameters():
                 if "lora_" in name:  # loaded adapters come frozen; they are what we train
                     p.data = p.data.float()
@@ -125,7 +124,7 @@ class ActorRole:
         sizes = derived_sizes(cfg, trained_steps_per_sample(cfg))
         self.worker = ActorWorker(self.pipe.transformer, cfg.train, cfg.model, cfg.sampling, cfg.max_steps,
                                   sizes["images_per_step"], cfg.seed, world=world, grad_sync=grad_sync,
-                                  ratio_cap=cfg.engine.ratio_cap)
+                                  ratio_cap=cfg.engine.ratio_cap, conventions=cfg.conventions)
 
     def pid(self) -> int:
         return os.getpid()

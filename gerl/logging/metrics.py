@@ -18,6 +18,25 @@ def _clean(v):
     return v
 
 
+def read_jsonl(path: Path) -> list[dict]:
+    """The rows of a JSON-lines file this package appends to (metrics.jsonl, timeline.jsonl). A half-written last
+    line — the process died mid-write — is left out; a damaged line before it is a UserError naming file and line.
+    A missing file has no rows."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+    rows = []
+    for i, line in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                break
+            raise UserError(f"{path} line {i + 1} is not JSON; repair or delete that line, then resume") from None
+    return rows
+
+
 class MetricsLogger:
     def __init__(self, run_dir: Path, tensorboard: bool, wandb: bool, wandb_project: str, config: dict,
                  resume_step: int | None):
@@ -25,8 +44,8 @@ class MetricsLogger:
         self.path = self.run_dir / "metrics.jsonl"
         if resume_step is not None and self.path.exists():
             # Drop lines from steps after the checkpoint: they will be re-run, and must not appear twice.
-            keep = [ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln).get("step", 0) <= resume_step]
-            self.path.write_text("".join(ln + "\n" for ln in keep))
+            keep = [row for row in read_jsonl(self.path) if row.get("step", 0) <= resume_step]
+            self.path.write_text("".join(json.dumps(row) + "\n" for row in keep))
         elif resume_step is None:
             self.path.write_text("")
         self._file = self.path.open("a")

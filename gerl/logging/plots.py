@@ -75,6 +75,33 @@ def band_plot(series: dict[str, tuple[Sequence[float], Sequence[float], Sequence
     return _save(fig, path)
 
 
+def panel_plot(panels: dict[str, dict[str, tuple[Sequence[float], Sequence[float]]]], path: Path,
+               xlabel: str) -> Path:
+    """Side-by-side line plots sharing the x label: panels = {panel title: {run name: (xs, ys)}}; a panel without
+    points says "not logged"."""
+    fig = _figure(4.0 * len(panels), 3.4)
+    for i, (title, series) in enumerate(panels.items()):
+        ax = fig.add_subplot(1, len(panels), i + 1)
+        for name, (xs, ys) in series.items():
+            ax.plot(xs, ys, marker="o", markersize=2, label=name)
+        if not any(len(xs) for xs, _ in series.values()):
+            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="grey")
+        elif len(series) > 1:
+            ax.legend(fontsize=7)
+        ax.set(xlabel=xlabel, title=title)
+        ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def _fit(draw, text: str, width: int) -> str:
+    """`text` cut (with an ellipsis) to fit `width` pixels in the default font."""
+    if draw.textlength(text) <= width:
+        return text
+    while text and draw.textlength(text + "…") > width:
+        text = text[:-1]
+    return text + "…"
+
+
 def grid_tiles(grid: Image.Image, num_images: int, count: int) -> list[Image.Image]:
     """The first `count` tiles of a validation grid written by `image_grid` (row-major, cols = ceil(√n))."""
     cols = math.ceil(math.sqrt(num_images))
@@ -84,24 +111,32 @@ def grid_tiles(grid: Image.Image, num_images: int, count: int) -> list[Image.Ima
             for i in range(min(count, num_images))]
 
 
-def sample_matrix(rows: list[tuple[int, list[Image.Image]]], path: Path, title: str, tile: int = 160) -> Path:
-    """Validation samples laid out steps (rows) × prompts (columns): rows = [(step, [tile per prompt])]. Tiles are
-    resized to `tile` px (nearest neighbour for small images, so tiny-model pixels stay visible)."""
+def sample_matrix(rows: list[tuple[int, list[Image.Image], list[str]]], path: Path, title: str,
+                  tile: int = 160) -> Path:
+    """Validation samples laid out steps (rows) × prompts (columns): rows = [(step, [tile per prompt], [caption per
+    tile])], a caption being up to two lines ("score 0.83\nprompt text") printed under its tile ([] = none). Tiles
+    are resized to `tile` px (nearest neighbour for small images, so tiny-model pixels stay visible)."""
     from PIL import ImageDraw
 
-    n_cols = max(len(tiles) for _, tiles in rows)
+    n_cols = max(len(tiles) for _, tiles, _ in rows)
+    caption_h = 26 if any(caps for _, _, caps in rows) else 0
     left, top, pad = 70, 40, 4
-    sheet = Image.new("RGB", (left + n_cols * (tile + pad), top + len(rows) * (tile + pad)), "white")
+    row_h = tile + caption_h + pad
+    sheet = Image.new("RGB", (left + n_cols * (tile + pad), top + len(rows) * row_h), "white")
     draw = ImageDraw.Draw(sheet)
     draw.text((4, 4), title, fill="black")
     for c in range(n_cols):
         draw.text((left + c * (tile + pad) + 4, top - 14), f"prompt {c}", fill="black")
-    for r, (step, tiles) in enumerate(rows):
-        y = top + r * (tile + pad)
+    for r, (step, tiles, captions) in enumerate(rows):
+        y = top + r * row_h
         draw.text((4, y + tile // 2 - 6), f"step {step}", fill="black")
         for c, im in enumerate(tiles):
+            x = left + c * (tile + pad)
             resample = Image.NEAREST if im.width < tile else Image.LANCZOS
-            sheet.paste(im.convert("RGB").resize((tile, tile), resample), (left + c * (tile + pad), y))
+            sheet.paste(im.convert("RGB").resize((tile, tile), resample), (x, y))
+            if c < len(captions):
+                for k, line in enumerate(captions[c].splitlines()[:2]):
+                    draw.text((x + 2, y + tile + 1 + 12 * k), _fit(draw, line, tile - 4), fill="black")
     sheet.save(path, format="PNG")
     return path
 

@@ -1,7 +1,8 @@
 """`gerl report RUN... [--out PATH]`: one self-contained HTML page (inline CSS, PNGs in a sibling folder referenced
 by relative paths, nothing fetched from the network) comparing runs: validation reward against steps and against
-GPU-hours, training reward ± std, the seed table's columns, validation samples across steps, and a Gantt chart of
-each run's stage timeline.
+GPU-hours (core-hours for CPU runs), training reward ± std, KL / clip fraction / gradient norm, the seed table's
+columns with the final and best validation reward, validation samples across steps (each tile captioned with its
+score and prompt from the grid's JSON sidecar), and a Gantt chart of each run's stage timeline.
 
 Everything is recomputed from the run directory (config.yaml, metrics.jsonl, timeline.jsonl, samples/), so runs
 logged before a metric existed still get their throughput and GPU-hour columns.
@@ -22,12 +23,14 @@ from PIL import Image
 
 from gerl.errors import UserError
 from gerl.logging import plots
+from gerl.logging.images import read_grid_captions
 from gerl.logging.throughput import gpu_hours, gpu_hours_to_target, images_per_s_per_device
 from gerl.logging.timeline import read_timeline
 
 SEED_COLUMNS = ["Run", "Model", "Algorithm", "Hybrid Engine", "# Cards", "Reward Fn", "Async Strategy",
                 "# GPUs actor / rollout", "Batch Size", "rollout.n", "Learning Rate", "# Val Samples",
-                "Throughput (images/s/GPU)", "# GPU Hour"]
+                "Throughput (images/s/GPU)", "# GPU Hour", "Final Val Reward", "Best Val Reward"]
+TRAIN_CURVES = {"kl": "KL to the reference", "clipfrac": "clip fraction", "grad_norm": "gradient norm (pre-clip)"}
 STAGES = ["generate_s", "decode_s", "reward_wait_s", "reward_compute_s", "train_s", "sync_s", "validate_s", "step_s"]
 SAMPLE_PROMPTS = 4  # validation prompts shown across steps
 SAMPLE_STEPS = 6  # at most this many validation steps in the sample matrix
@@ -106,9 +109,22 @@ def _placement(cfg: dict) -> tuple[int, int, int, bool]:
     return actor + rollout, actor, rollout, False
 
 
+def is_cpu_run(run: Run) -> bool:
+    """The run logged device_type=cpu (runs from before that key are taken for GPU runs)."""
+    return any(r.get("device_type") == "cpu" for r in run.rows)
+
+
+def hour_units(run: Run) -> tuple[int, str]:
+    """(units counted per device-hour, name): (1, "GPU-hours"), or on CPU (cores per device, "core-hours")."""
+    if not is_cpu_run(run):
+        return 1, "GPU-hours"
+    cores = next((r["cores_per_device"] for r in reversed(run.rows) if isinstance(r.get("cores_per_device"), int)), 1)
+    return max(cores, 1), "core-hours"
+
+
 def validation_points(run: Run) -> list[tuple[int, float, float]]:
-    """[(step, cumulative GPU-hours at the end of that validation, val_reward_mean)]."""
-    hours = gpu_hours(run.rows, devices_of(run))
+    """[(step, cumulative GPU-hours — core-hours on CPU — at the end of that validation, val_reward_mean)]."""
+    hours = gpu_hours(run.rows, devices_of(run) * hour_units(run)[0])
     return [(r["step"], h, float(r["val_reward_mean"])) for r, h in zip(run.rows, hours)
             if isinstance(r.get("val_reward_mean"), (int, float)) and math.isfinite(r["val_reward_mean"])]
 
@@ -167,10 +183,15 @@ def seed_row(run: Run) -> dict[str, str]:
         val_n = g("validation.num_prompts") if (g("validation.every") or 0) >= 0 else 0
     tput = throughput(run)
     target, hold = _target(cfg)
-    to_target = gpu_hours_to_target(run.rows, devices, target, hold)
-    total = gpu_hours(run.rows, devices)[-1]
+    per_device, unit = hour_units(run)
+    to_target = gpu_hours_to_target(run.rows, devices * per_device, target, hold)
+    total = gpu_hours(run.rows, devices * per_device)[-1]
     hours = (f"{to_target:.3g} (to val ≥ {target:g})" if to_target is not None
              else f"{total:.3g} total (target {target:g} not reached)")
+    if unit != "GPU-hours":
+        hours += f" {unit}"
+    vals = validation_points(run)
+    best = max(vals, key=lambda v: v[2]) if vals else None
     text = lambda v, spec="": "?" if v is None else format(v, spec)  # noqa: E731
     return {
         "Run": run.name, "Model": _model_name(g("model.path") or "?"), "Algorithm": algorithm,
@@ -178,11 +199,36 @@ def seed_row(run: Run) -> dict[str, str]:
         "Async Strategy": _async_strategy(cfg), "# GPUs actor / rollout": placement, "Batch Size": batch,
         "rollout.n": text(n), "Learning Rate": text(lr, "g"), "# Val Samples": text(val_n),
         "Throughput (images/s/GPU)": text(tput, ".3g"), "# GPU Hour": hours,
+        "Final Val Reward": f"{vals[-1][2]:.4g} (step {vals[-1][0]})" if vals else "–",
+        "Best Val Reward": f"{best[2]:.4g} (step {best[0]})" if best else "–",
     }
 
 
 def _target(cfg: dict) -> tuple[float, int]:
     return float(_get(cfg, "metrics.target_val_reward", 0.8)), int(_get(cfg, "metrics.target_hold", 1))
+
+
+def component_curves(run: Run) -> dict[str, dict[str, tuple[list, list]]]:
+    """Every reward component (and numeric per-sample extra) the run logged, raw:
+    {name: {"train" | "validation": (steps, means)}}. Train keys are `reward/<name>`, validation keys
+    `val_reward/<name>`, a trailing "_raw" dropped; the raw weighted total (`reward_raw_mean`) is "total (raw)"."""
+    out: dict[str, dict[str, tuple[list, list]]] = {}
+    for row in run.rows:
+        for key, v in row.items():
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or "step" not in row:
+                continue
+            split = "validation" if key.startswith("val_") else "train"
+            name = key.removeprefix("val_")
+            if name == "reward_raw_mean":
+                name = "total (raw)"
+            elif name.startswith("reward/"):
+                name = name.removeprefix("reward/").removesuffix("_raw")
+            else:
+                continue
+            xs, ys = out.setdefault(name, {}).setdefault(split, ([], []))
+            xs.append(row["step"])
+            ys.append(float(v))
+    return out
 
 
 def stage_medians(run: Run) -> dict[str, float | None]:
@@ -283,8 +329,28 @@ def _sample_rows(run: Run) -> list[tuple[int, list[Image.Image]]]:
             run.warnings.append(f"{g.name}: unknown number of validation images; left out of the samples")
             continue
         with Image.open(g) as im:
-            out.append((step, plots.grid_tiles(im.convert("RGB"), n, SAMPLE_PROMPTS)))
+            tiles = plots.grid_tiles(im.convert("RGB"), n, SAMPLE_PROMPTS)
+        out.append((step, tiles, _captions(g.with_suffix(".json"), len(tiles))))
     return out
+
+
+def _captions(sidecar: Path, count: int) -> list[str]:
+    """"score 0.83\nprompt" for the first `count` tiles, from the grid's JSON sidecar ([] for older runs)."""
+    data = read_grid_captions(sidecar)
+    if data is None:
+        return []
+    scores = list(data.get("scores") or []) + [None] * count
+    return [("score –" if scores[i] is None else f"score {scores[i]:.3g}") + "\n" + str(p)
+            for i, p in enumerate(data["prompts"][:count])]
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _hour_header(column: str, runs: list[Run]) -> str:
+    """The seed table's "# GPU Hour" reads "# Core Hour" when every run is a CPU run."""
+    return "# Core Hour" if column == "# GPU Hour" and all(is_cpu_run(r) for r in runs) else column
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
@@ -326,13 +392,19 @@ def write_report(run_dirs: list[Path], out: Path | None = None) -> Path:
     rel = lambda p: f"{assets.name}/{p.name}"  # noqa: E731
     target, _ = _target(runs[0].config)
 
+    units = {hour_units(r)[1] for r in runs}
+    unit = units.pop() if len(units) == 1 else "GPU-hours (core-hours for CPU runs)"
     vals = {r.name: validation_points(r) for r in runs}
     val_step = plots.line_plot({n: ([p[0] for p in v], [p[2] for p in v]) for n, v in vals.items()},
                                assets / "val_reward_vs_step.png", "step", "validation reward (mean)",
                                "Validation reward vs step", target, f"target {target:g}")
     val_hours = plots.line_plot({n: ([p[1] for p in v], [p[2] for p in v]) for n, v in vals.items()},
-                                assets / "val_reward_vs_gpu_hours.png", "GPU-hours", "validation reward (mean)",
-                                "Validation reward vs GPU-hours", target, f"target {target:g}")
+                                assets / "val_reward_vs_gpu_hours.png", unit, "validation reward (mean)",
+                                f"Validation reward vs {unit}", target, f"target {target:g}")
+    panels = {title: {r.name: ([x["step"] for x in r.rows if _finite(x.get(key))],
+                               [x[key] for x in r.rows if _finite(x.get(key))]) for r in runs}
+              for key, title in TRAIN_CURVES.items()}
+    train_stats = plots.panel_plot(panels, assets / "kl_clipfrac_grad_norm.png", "step")
     train = {}
     for r in runs:
         pts = [(x["step"], x["reward_mean"], x.get("reward_std") or 0.0) for x in r.rows
@@ -340,15 +412,24 @@ def write_report(run_dirs: list[Path], out: Path | None = None) -> Path:
         train[r.name] = ([p[0] for p in pts], [p[1] for p in pts], [p[2] for p in pts])
     train_png = plots.band_plot(train, assets / "train_reward.png", "step", "training reward (mean ± std)",
                                 "Training reward")
+    curves = {r.name: component_curves(r) for r in runs}
+    component_pngs = [
+        plots.line_plot({f"{run} ({split})": c[name][split] for run, c in curves.items() if name in c
+                         for split in ("train", "validation") if split in c[name]},
+                        assets / f"component_{i}_{_safe(name)}.png", "step", f"{name} (raw mean)",
+                        f"Reward component: {name}")
+        for i, name in enumerate(sorted({n for c in curves.values() for n in c}))]
 
     parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>gerl report</title><style>{CSS}</style></head><body>",
              "<h1>gerl report</h1>",
              f"<p class='note'>Runs: {html.escape(', '.join(str(r.path) for r in runs))}. Definitions: docs/report.md.</p>",
              "<h2>Seed table</h2>",
-             _table(SEED_COLUMNS, [[seed_row(r)[c] for c in SEED_COLUMNS] for r in runs]),
+             _table([_hour_header(c, runs) for c in SEED_COLUMNS], [[seed_row(r)[c] for c in SEED_COLUMNS] for r in runs]),
              "<p class='note'>Throughput: median over steps of images / (step_s × devices). # GPU Hour: devices × "
              "Σ(step_s + validate_s) up to the first validation at or above metrics.target_val_reward held for "
-             "metrics.target_hold validations, else the run's total.</p>",
+             "metrics.target_hold validations, else the run's total; a CPU run counts core-hours (devices × cores "
+             "per device × hours). Final / best val reward: the last and the highest val_reward_mean, with the "
+             "step.</p>",
              "<h2>Stage times (median seconds per step)</h2>"]
     stage_rows = []
     for r in runs:
@@ -357,7 +438,11 @@ def write_report(run_dirs: list[Path], out: Path | None = None) -> Path:
     parts.append(_table(["Run"] + STAGES + ["MFU", "peak mem GiB"], stage_rows))
     parts += ["<h2>Curves</h2>", f"<img src='{rel(val_step)}' alt='validation reward vs step'>",
               f"<img src='{rel(val_hours)}' alt='validation reward vs GPU-hours'>",
-              f"<img src='{rel(train_png)}' alt='training reward'>"]
+              f"<img src='{rel(train_png)}' alt='training reward'>",
+              f"<img src='{rel(train_stats)}' alt='KL, clip fraction and gradient norm'>"]
+    if component_pngs:
+        parts += ["<h2>Reward components (raw scores, train and validation)</h2>"]
+        parts += [f"<img src='{rel(png)}' alt='reward component'>" for png in component_pngs]
 
     for i, r in enumerate(runs):
         tag = f"{i}_{_safe(r.name)}"

@@ -276,8 +276,9 @@ class ThroughputTracker:
     """
 
     def __init__(self, devices: int, target: float, hold: int, peak_tflops: float = 0.0, device=None,
-                 flops: StepFlopsModel | None = None):
+                 flops: StepFlopsModel | None = None, cores_per_device: int | None = None):
         self.devices, self.target, self.hold = devices, target, hold
+        self.cores_per_device = cores_per_device  # CPU runs: cores each device uses (the report's core-hours)
         self.peak_tflops, self.device, self.flops = peak_tflops, device, flops
         self.hours = 0.0
         self.vals: list[tuple[float, float]] = []  # (cumulative hours at the validation, val_reward_mean)
@@ -313,6 +314,10 @@ class ThroughputTracker:
         update ran) and validate_s / val_reward_mean on validation steps. text_len: joint-attention text tokens
         of the batch (embeds.prompt.shape[1]); trained_images: samples trained on (after dropped rewards)."""
         out: dict = {"devices": self.devices}
+        if self.device is not None:
+            out["device_type"] = getattr(self.device, "type", str(self.device))
+            if out["device_type"] == "cpu" and self.cores_per_device:
+                out["cores_per_device"] = self.cores_per_device
         step_s = _num(row, "step_s")
         images = int(row.get("images") or 0)
         if images and step_s > 0:
@@ -363,10 +368,15 @@ def tracker_for(cfg, devices: int = 1, pipe=None) -> ThroughputTracker:
     if peak <= 0 and device.type == "cuda":
         peak = peak_tflops_for(torch.cuda.get_device_name(device), cfg.model.dtype,
                                tf32=torch.get_float32_matmul_precision() != "highest")
-    found = model_config_for(cfg.model.path, pipe)
+    from gerl.models.loader import resolve_model_path
+
+    found = model_config_for(resolve_model_path(cfg.model.path), pipe)
     flops = None
     if found is not None:
         s, t = cfg.sampling, cfg.train
         flops = StepFlopsModel(found[0], found[1], cfg.model.resolution, s.num_steps, s.guidance_scale,
                                t.inner_epochs, t.beta, t.recompute_old_log_probs)
-    return ThroughputTracker(devices, cfg.metrics.target_val_reward, cfg.metrics.target_hold, peak, device, flops)
+    # A CPU device is a Ray worker's pinned cores, or this process's torch threads with the local engine.
+    cores = cfg.engine.cpus_per_worker if cfg.engine.kind == "ray" else torch.get_num_threads()
+    return ThroughputTracker(devices, cfg.metrics.target_val_reward, cfg.metrics.target_hold, peak, device, flops,
+                             cores if device.type == "cpu" else None)

@@ -62,5 +62,7 @@ def truncate_timeline(run_dir: Path, resume_step: int | None) -> None:
     if resume_step is None:
         p.write_text("")
     elif p.exists():
-        keep = [ln for ln in p.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= resume_step]
-        p.write_text("".join(ln + "\n" for ln in keep))
+        from gerl.logging.metrics import read_jsonl
+
+        keep = [row for row in read_jsonl(p) if row["step"] <= resume_step]
+        p.write_text("".join(json.dumps(row) + "\n" for row in keep))

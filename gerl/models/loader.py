@@ -14,6 +14,20 @@ from gerl.sampling.loop import Embeds
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
+PEFT_WEIGHT_NAME = "adapter_model.safetensors"  # with adapter_config.json: what PeftModel.from_pretrained reads
+# Models shipped inside the repository, selected by name (model.path=ocr-mini); see assets/models/*/README.md.
+SHIPPED_MODELS = {"ocr-mini": Path(__file__).resolve().parents[2] / "assets" / "models" / "ocr-mini"}
+
+
+def resolve_model_path(path: str) -> str:
+    """A shipped model's name → its directory; anything else unchanged. A missing shipped model is a UserError."""
+    if path in SHIPPED_MODELS:
+        d = SHIPPED_MODELS[path]
+        if not (d / "model_index.json").is_file():
+            raise UserError(f"model.path={path}: {d} is missing; it ships with the gerl repository (reinstall from a "
+                            f"clone), or rebuild it with `python scripts/pretrain_ocr_mini.py --out {d}`")
+        return str(d)
+    return path
 
 
 def resolve_device(name: str) -> torch.device:
@@ -26,12 +40,13 @@ def resolve_device(name: str) -> torch.device:
 
 
 def load_pipeline(path: str, dtype: str = "fp32", device: str = "auto", tiny_seed: int = 0):
-    """StableDiffusion3Pipeline from "tiny", a local diffusers directory, or a hub id (from the local HF cache
+    """StableDiffusion3Pipeline from "tiny", a shipped model ("ocr-mini"), a local diffusers directory, or a hub id (from the local HF cache
     or downloaded). Errors name the path and what to do."""
     from diffusers import StableDiffusion3Pipeline
 
     if dtype not in DTYPES:
         raise UserError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    path = resolve_model_path(path)
     if path == "tiny":
         from gerl.models.tiny import build_tiny_sd3
 
@@ -89,31 +104,50 @@ def lora_metadata(transformer) -> dict:
 
 
 def save_lora(transformer, directory: str | Path) -> None:
-    """Write `pytorch_lora_weights.safetensors` in the format StableDiffusion3Pipeline.load_lora_weights loads."""
+    """Write the LoRA twice over, for the two loaders people use:
+    `pytorch_lora_weights.safetensors` for StableDiffusion3Pipeline.load_lora_weights, and
+    `adapter_config.json` + `adapter_model.safetensors` for peft.PeftModel.from_pretrained(transformer, directory)
+    (PEFT's own file names and "base_model.model." keys; the LoRA is small, so the copy costs little)."""
     from diffusers import StableDiffusion3Pipeline
+    from safetensors.torch import save_file
 
+    weights = lora_state_dict(transformer)
     StableDiffusion3Pipeline.save_lora_weights(
         str(directory),
-        transformer_lora_layers=lora_state_dict(transformer),
+        transformer_lora_layers=weights,
         transformer_lora_adapter_metadata=lora_metadata(transformer),
         weight_name=LORA_WEIGHT_NAME,
     )
+    transformer.peft_config["default"].save_pretrained(str(directory))
+    save_file({f"base_model.model.{k}": v for k, v in weights.items()}, str(Path(directory) / PEFT_WEIGHT_NAME))
 
 
 def lora_file(path: str | Path) -> Path:
-    """A LoRA given as a checkpoint directory or a .safetensors file → the weights file, or a UserError."""
+    """A LoRA given as a checkpoint directory or a .safetensors file → the weights file, or a UserError when it is
+    missing, not a safetensors file, or holds no LoRA weights (lora_A/lora_B, lora_down/lora_up)."""
+    from safetensors import SafetensorError, safe_open
+
     p = Path(path)
     f = p / LORA_WEIGHT_NAME if p.is_dir() else p
     if not f.is_file():
         raise UserError(f"LoRA {path} does not exist (expected a checkpoint directory holding {LORA_WEIGHT_NAME} "
                         "or a .safetensors file); check the path, e.g. RUN/checkpoints/step_000010")
+    try:
+        with safe_open(str(f), framework="pt") as st:
+            keys = list(st.keys())
+    except (SafetensorError, OSError, ValueError) as e:
+        raise UserError(f"LoRA {f} is not a readable safetensors file ({str(e).splitlines()[0][:120]}); pass "
+                        f"a checkpoint directory or its {LORA_WEIGHT_NAME}") from None
+    if not any(m in k for k in keys for m in ("lora_A", "lora_B", "lora_down", "lora_up")):
+        raise UserError(f"{f} holds no LoRA weights ({len(keys)} tensors, none named lora_A/lora_B); pass a LoRA "
+                        f"such as RUN/checkpoints/step_000010/{LORA_WEIGHT_NAME}")
     return f
 
 
-def load_lora_into_pipeline(pipe, path: str | Path) -> None:
+def load_lora_into_pipeline(pipe, path: str | Path, adapter_name: str | None = None) -> None:
     f = lora_file(path)
     try:
-        pipe.load_lora_weights(str(f.parent), weight_name=f.name)
+        pipe.load_lora_weights(str(f.parent), weight_name=f.name, adapter_name=adapter_name)
     except (ValueError, KeyError, RuntimeError) as e:
         raise UserError(f"LoRA {f} does not fit this model ({str(e).splitlines()[0][:200]}); "
                         "was it trained on a different base model?") from None

@@ -23,6 +23,7 @@ class StepOutput(NamedTuple):
     log_prob: torch.Tensor  # (B,) fp32: mean over C,H,W of log N(prev_sample; mean, std²); zeros for ODE
     mean: torch.Tensor  # (B, C, H, W) fp32
     std: torch.Tensor  # (B, 1, 1, 1) fp32: the transition's standard deviation (0 for ODE)
+    noise_coef: torch.Tensor  # (B, 1, 1, 1) fp32: what Flow-GRPO/GeRL call std_dev_t: g for SDE (std = g·sqrt(−dt)), std for CPS, 0 for ODE
 
 
 def _as_batch(x: torch.Tensor | float, ref: torch.Tensor) -> torch.Tensor:
@@ -41,7 +42,8 @@ def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) ->
     return lp.mean(dim=tuple(range(1, x.ndim)))
 
 
-def _finish(mean, std, prev_sample, generator, noise=None) -> StepOutput:
+def _finish(mean, std, prev_sample, generator, noise=None, noise_coef=None) -> StepOutput:
+    coef = std if noise_coef is None else noise_coef
     if prev_sample is None:
         # Noise is drawn on the CPU from the caller's generator so that a seed reproduces the same sample on any
         # device; the loop passes one generator per sample, so the batch split does not change the noise.
@@ -49,9 +51,9 @@ def _finish(mean, std, prev_sample, generator, noise=None) -> StepOutput:
         prev_sample = torch.addcmul(mean, std, noise)
         # x − mean = std·noise exactly, so the density needs no second pass over (x − mean)² / std²
         lp = (-0.5 * noise**2).mean(dim=tuple(range(1, noise.ndim))) - torch.log(std).flatten() - LOG_SQRT_2PI
-        return StepOutput(prev_sample, lp, mean, std)
+        return StepOutput(prev_sample, lp, mean, std, coef)
     prev_sample = prev_sample.float()
-    return StepOutput(prev_sample, gaussian_log_prob(prev_sample.detach(), mean, std), mean, std)
+    return StepOutput(prev_sample, gaussian_log_prob(prev_sample.detach(), mean, std), mean, std, coef)
 
 
 def _randn(shape, generator, device) -> torch.Tensor:
@@ -71,7 +73,7 @@ def ode_step(model_output: torch.Tensor, sample: torch.Tensor, sigma, sigma_next
     s, s_next = _as_batch(sigma, x), _as_batch(sigma_next, x)
     mean = x + (s_next - s) * v
     zero = torch.zeros_like(s)
-    return StepOutput(mean, torch.zeros(x.shape[0], device=x.device), mean, zero)
+    return StepOutput(mean, torch.zeros(x.shape[0], device=x.device), mean, zero, zero)
 
 
 def sde_step(
@@ -111,7 +113,7 @@ def sde_step(
     g2_2s = g**2 / (2 * s)  # per-sample coefficients first (B,1,1,1), then two passes over the latents
     mean = torch.addcmul(x * (1 + g2_2s * dt), v, (1 + g2_2s * (1 - s)) * dt)
     std = g * torch.sqrt(-dt)
-    return _finish(mean, std, prev_sample, generator, noise)
+    return _finish(mean, std, prev_sample, generator, noise, noise_coef=g)
 
 
 def cps_step(
@@ -153,3 +155,27 @@ def stochastic_step(sampler: str, model_output, sample, sigma, sigma_next, noise
     if sampler == "cps":
         return cps_step(model_output, sample, sigma, sigma_next, noise_level, prev_sample, generator, noise)
     raise ValueError(f"unknown sampler {sampler!r}; choose one of {', '.join(SAMPLERS)}")
+
+
+LOG_PROB_CONVENTIONS = ("gaussian", "squared_error")
+
+
+def log_prob_as(convention: str, log_prob: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """Re-express a step's log-prob (the Gaussian density above, averaged over elements) in another convention.
+
+    gaussian:       mean[−(x − mean)²/(2·std²)] − log std − log sqrt(2π)    (the true density; gerl)
+    squared_error:  mean[−(x − mean)²]                                     (Flow-GRPO's and GeRL's CPS code)
+    The std depends only on σ and the noise level, never on the weights, so the second is an exact affine map
+    of the first: squared_error = 2·std²·(gaussian + log std + log sqrt(2π)); its log-ratios are 2·std² times
+    the Gaussian ones, which is why a clip range does not carry over between the two.
+
+    Args:
+        log_prob: (B,) Gaussian log-probs from a stochastic step.
+        std: (B, 1, 1, 1) or (B,) the step's std.
+    """
+    if convention == "gaussian":
+        return log_prob
+    if convention == "squared_error":
+        s = std.reshape(-1)
+        return 2 * s**2 * (log_prob + torch.log(s) + LOG_SQRT_2PI)
+    raise ValueError(f"unknown log-prob convention {convention!r}; choose one of {', '.join(LOG_PROB_CONVENTIONS)}")

@@ -9,8 +9,9 @@ from contextlib import contextmanager
 import torch
 
 from gerl.algo.loss import grpo_loss
-from gerl.config import ModelConfig, SamplingConfig, TrainConfig
+from gerl.config import ConventionsConfig, ModelConfig, SamplingConfig, TrainConfig
 from gerl.sampling.loop import replay_log_prob
+from gerl.sampling.steps import log_prob_as
 from gerl.workers.batch import RolloutBatch
 
 
@@ -56,8 +57,12 @@ def lr_lambda(schedule: str, warmup: int, total: int):
 class ActorWorker:
     def __init__(self, transformer, train: TrainConfig, model: ModelConfig, sampling: SamplingConfig,
                  max_steps: int, images_per_step: int, seed: int, world: int = 1, grad_sync=None,
-                 ratio_cap: float = 0.0):
+                 ratio_cap: float = 0.0, conventions: ConventionsConfig | None = None):
         self.transformer, self.cfg, self.sampling, self.seed = transformer, train, sampling, seed
+        self.conventions = conventions or ConventionsConfig()
+        # The rollout records Gaussian log-probs; the loss sees them in the configured convention (an exact map).
+        self.log_prob_convention = (self.conventions.cps_log_prob if sampling.sampler == "cps"
+                                    else self.conventions.sde_log_prob)
         self.lora = model.lora
         if not model.lora:
             transformer.requires_grad_(True)
@@ -156,14 +161,18 @@ class ActorWorker:
                             with torch.no_grad(), self._reference() as ref:
                                 ref_mean = self._replay(ref, batch, idx, k).mean
                         device = out.log_prob.device
-                        loss, stats = grpo_loss(out.log_prob, old[idx, k].to(device), advantages[idx].to(device),
-                                                cfg.clip_range, cfg.beta, out.mean, ref_mean, out.std, self.ratio_cap)
+                        conv = self.log_prob_convention
+                        lp = log_prob_as(conv, out.log_prob, out.std)
+                        old_lp = log_prob_as(conv, old[idx, k].to(device), out.std)  # same σ, same std
+                        kl_std = out.std if self.conventions.kl_std == "transition" else out.noise_coef
+                        loss, stats = grpo_loss(lp, old_lp, advantages[idx].to(device),
+                                                cfg.clip_range, cfg.beta, out.mean, ref_mean, kl_std, self.ratio_cap)
                         if not torch.isfinite(loss):
                             finite = False
                             continue
                         (loss / (n_micro * T)).backward()
                         if not stepped:
-                            ratio = torch.exp(out.log_prob.detach() - old[idx, k].to(device))
+                            ratio = torch.exp(lp.detach() - old_lp)
                             max_dev = max(max_dev, float((ratio - 1).abs().max()))
                         for key, v in stats.items():
                             sums[key] = sums.get(key, 0.0) + float(v)

@@ -180,3 +180,23 @@ def test_actor_death_stops_the_run_with_the_last_checkpoint_intact(tmp_path):
     # and the run resumes from it
     train(small_config(tmp_path, "max_steps=3", "checkpoint.every=2", "resume=true", *DECOUPLED))
     assert [r["step"] for r in _rows(tmp_path)] == [1, 2, 3]
+
+
+def test_unreachable_ray_address_fails_fast_naming_it():
+    """A host:port where nothing listens is refused in well under ray.init's minutes of retries."""
+    import socket
+    import time
+
+    from gerl.engine.ray_engine import check_ray_address
+    from gerl.errors import UserError
+
+    with socket.socket() as s:  # a port that was free a moment ago and that nothing listens on now
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.perf_counter()
+    with pytest.raises(UserError, match=rf"engine.ray_address=127.0.0.1:{port}: nothing answers"):
+        check_ray_address(f"127.0.0.1:{port}")
+    assert time.perf_counter() - t0 < 30
+    with pytest.raises(UserError, match="not a number"):
+        check_ray_address("127.0.0.1:head")
+    check_ray_address("auto")  # left to ray.init, which fails fast itself when no cluster runs here

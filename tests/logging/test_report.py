@@ -64,9 +64,11 @@ def test_report_of_two_runs_is_local_valid_and_matches_configs(report_runs, tmp_
             im.verify()
             assert im.format == "PNG"
 
+    assert "kl_clipfrac_grad_norm.png" in {p.name for p in pngs}
     header, *rows = page.tables[0]
-    assert header == SEED_COLUMNS
-    by_run = {r[0]: dict(zip(header, r)) for r in rows}
+    # these are CPU runs: the hours column counts core-hours, and says so
+    assert header == [("# Core Hour" if c == "# GPU Hour" else c) for c in SEED_COLUMNS]
+    by_run = {r[0]: dict(zip(SEED_COLUMNS, r)) for r in rows}
     assert set(by_run) == {"lr_a", "lr_b"}
     assert by_run["lr_a"]["Learning Rate"] == "0.01" and by_run["lr_b"]["Learning Rate"] == "0.003"
     for r in by_run.values():
@@ -76,6 +78,15 @@ def test_report_of_two_runs_is_local_valid_and_matches_configs(report_runs, tmp_
         assert r["Hybrid Engine"] == "yes (local)" and r["Async Strategy"] == "with_reward"
         assert float(r["Throughput (images/s/GPU)"]) > 0
         assert "not reached" in r["# GPU Hour"]  # the JPEG reward is negative; the default target is 0.8
+        assert r["# GPU Hour"].endswith("core-hours")
+    # final and best validation reward, each with its step, match metrics.jsonl
+    import json
+
+    rows_a = [json.loads(x) for x in (report_runs[0] / "metrics.jsonl").read_text().splitlines()]
+    vals = [(x["step"], x["val_reward_mean"]) for x in rows_a if x.get("val_reward_mean") is not None]
+    best = max(vals, key=lambda v: v[1])
+    assert by_run["lr_a"]["Final Val Reward"] == f"{vals[-1][1]:.4g} (step {vals[-1][0]})"
+    assert by_run["lr_a"]["Best Val Reward"] == f"{best[1]:.4g} (step {best[0]})"
 
 
 def test_cli_report_one_run_default_path_and_errors(report_runs, capsys):
@@ -128,3 +139,44 @@ def test_seed_row_reads_engine_and_schedule_and_counts_hours_to_target():
     assert r["Async Strategy"] == "sync" and r["Hybrid Engine"] == "yes" and r["# Cards"] == "2"
     logged = [dict(x, devices=4) for x in rows]  # a logged device count wins over the config
     assert seed_row(fake_run(cfg, logged))["# Cards"] == "4"
+
+
+def test_validation_grids_have_caption_sidecars_in_tile_order(report_runs):
+    import json
+
+    from gerl.logging.report import _captions
+
+    run = report_runs[0]
+    side = json.loads((run / "samples" / "val_step_000003.json").read_text())
+    assert len(side["prompts"]) == len(side["scores"]) == 4  # validation.num_prompts
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    finite = [s for s in side["scores"] if s is not None]
+    assert finite and abs(sum(finite) / len(finite) - rows[-1]["val_reward_mean"]) < 1e-4
+    caps = _captions(run / "samples" / "val_step_000003.png".replace(".png", ".json"), 2)
+    assert caps[0] == f"score {side['scores'][0]:.3g}\n{side['prompts'][0]}"
+    assert _captions(run / "samples" / "missing.json", 2) == []  # an older run without sidecars: no captions
+
+
+def test_sample_matrix_draws_captions_under_the_tiles(tmp_path):
+    from gerl.logging import plots
+
+    tiles = [Image.new("RGB", (16, 16), "white") for _ in range(2)]
+    plain = plots.sample_matrix([(1, tiles, [])], tmp_path / "plain.png", "t", tile=64)
+    captioned = plots.sample_matrix([(1, tiles, ["score 0.5\na long prompt " * 3] * 2)], tmp_path / "cap.png", "t",
+                                    tile=64)
+    with Image.open(plain) as a, Image.open(captioned) as b:
+        assert b.height > a.height and a.width == b.width
+        # the caption band under the first tile holds dark (text) pixels
+        band = b.convert("L").crop((70, 40 + 64, 70 + 64, 40 + 64 + 26))
+        assert min(band.getdata()) < 128
+
+
+def test_hours_are_core_hours_on_cpu_and_gpu_hours_otherwise():
+    rows = [{"step": 1, "images": 4, "step_s": 3600.0, "devices": 1, "device_type": "cpu", "cores_per_device": 2,
+             "val_reward_mean": 0.1}]
+    cpu = seed_row(fake_run({}, rows))
+    assert cpu["# GPU Hour"] == "2 total (target 0.8 not reached) core-hours"  # 1 device × 2 cores × 1 h
+    gpu = seed_row(fake_run({}, [dict(rows[0], device_type="cuda")]))
+    assert gpu["# GPU Hour"] == "1 total (target 0.8 not reached)"
+    assert cpu["Final Val Reward"] == cpu["Best Val Reward"] == "0.1 (step 1)"
+    assert seed_row(fake_run({}, [{"step": 1}]))["Final Val Reward"] == "–"

@@ -148,3 +148,51 @@ def test_paddleocr_missing_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "paddleocr" else real(name, *a))
     with pytest.raises(UserError, match=r"pip install 'gerl\[paddleocr\]'"):
         build_reward("ocr", {"backend": "paddleocr"})
+
+
+# ---- normalisation conventions (conventions.preset=flow_grpo / gerl_mm_grpo set strip=spaces, strict_confidence) ---
+
+def peer_ocr_reward(lines: list[tuple[str, float]], prompt: str) -> float:
+    """Flow-GRPO's ocr.py / GeRL's reward_score/ocr.py, written out (python-Levenshtein's distance = ours)."""
+    recognized = "".join(t if score > 0 else "" for t, score in lines).replace(" ", "").lower()
+    target = prompt.split('"')[1].replace(" ", "").lower()
+    dist = 0 if target in recognized else levenshtein(recognized, target)
+    return 1 - min(dist, len(target)) / len(target)
+
+
+def test_normalize_text_modes():
+    from rewards.ocr import normalize_text
+    text = "Open\tLATE\nnow\u00a0here now"
+    assert normalize_text(text) == "openlatenowherenow"  # every whitespace character (gerl)
+    assert normalize_text(text, "spaces") == "open\tlate\nnow\u00a0herenow"  # only U+0020 (peers)
+    with pytest.raises(ValueError, match="whitespace, spaces"):
+        normalize_text(text, "tabs")
+
+
+@pytest.mark.parametrize("lines, prompt", [
+    ([("OPEN LATE", 0.9)], 'A sign "Open Late"'),
+    ([("OPEN\tLATE", 0.9)], 'A sign "Open Late"'),  # a tab: the peers keep it, so no containment
+    ([("OPEN", 0.8), ("LATE", 0.0)], 'A sign "Open Late"'),  # a zero-confidence line: the peers drop it
+    ([("Hallo", 0.7), ("World", 0.6)], 'says "Hello World"'),
+    ([("x\u00a0y", 0.5)], 'says "x y"'),
+    ([], 'says "abc"'),
+])
+def test_peer_preset_scores_match_the_peers_formula(lines, prompt):
+    r = OcrReward(strip="spaces", strict_confidence=True)
+    text = " ".join(t for t, s in lines if r.keeps(s) and t.strip())  # what OcrReward.read returns for these lines
+    ours = ocr_score(text, extract_target(prompt), strip=r.strip)
+    assert ours == pytest.approx(peer_ocr_reward(lines, prompt), abs=1e-12)
+
+
+def test_confidence_rules():
+    assert OcrReward().keeps(0.0) and not OcrReward(strict_confidence=True).keeps(0.0)
+    assert OcrReward(strict_confidence=True).keeps(1e-6)
+    assert not OcrReward(min_confidence=0.5).keeps(0.49) and OcrReward(min_confidence=0.5).keeps(0.5)
+    with pytest.raises(UserError, match="strip"):
+        OcrReward(strip="tabs")
+
+
+def test_peer_settings_read_real_text():
+    reward = build_reward("ocr", {"strip": "spaces", "strict_confidence": True})
+    scores, extras = call_reward(reward, [render("Hello World")], ['"Hello World"'], [{}])
+    assert scores[0] >= 0.95, extras

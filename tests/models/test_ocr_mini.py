@@ -1,0 +1,86 @@
+"""ocr-mini: the pretraining script is seeded and writes a stock diffusers pipeline; the shipped model loads by name;
+its held-out prompts never occur in training."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from gerl.config import load_config
+from gerl.errors import UserError
+from gerl.models.loader import SHIPPED_MODELS, load_pipeline, resolve_model_path
+from rewards.ocr import extract_target
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _pretrain_module():
+    spec = importlib.util.spec_from_file_location("pretrain_ocr_mini", REPO / "scripts" / "pretrain_ocr_mini.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _short_run(mod, out: Path, seed: int = 0) -> dict[str, torch.Tensor]:
+    args = ["--out", str(out), "--steps", "3", "--vae-steps", "2", "--variants", "1", "--batch", "4",
+            "--eval-steps", "0", "--seed", str(seed)]
+    assert mod.main(args) == 0
+    return load_file(str(out / "transformer" / "diffusion_pytorch_model.safetensors"))
+
+
+def test_pretraining_is_seeded_and_writes_a_stock_pipeline(tmp_path):
+    from diffusers import StableDiffusion3Pipeline
+
+    mod = _pretrain_module()
+    a = _short_run(mod, tmp_path / "a")
+    b = _short_run(mod, tmp_path / "b")
+    c = _short_run(mod, tmp_path / "c", seed=1)
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), "same seed, different weights: the pretraining is not reproducible"
+    assert any(not torch.equal(a[k], c[k]) for k in a), "a different seed gave identical weights"
+    assert json.loads((tmp_path / "a" / "pretrain.json").read_text())["args"]["steps"] == 3
+    pipe = StableDiffusion3Pipeline.from_pretrained(str(tmp_path / "a"))  # stock diffusers, no gerl code
+    pipe.set_progress_bar_config(disable=True)
+    image = pipe('a sign that says "42"', num_inference_steps=2, height=64, width=64, guidance_scale=1.0,
+                 max_sequence_length=32, output_type="pil").images[0]
+    assert image.size == (64, 64)
+    # the VAE's latent normalisation was fitted to the data, not left at the SD3 defaults
+    assert pipe.vae.config.scaling_factor != 1.5305 and pipe.vae.config.shift_factor != 0.0609
+
+
+def test_rendered_data_is_seeded_and_holds_ink():
+    import random
+
+    import numpy as np
+
+    mod = _pretrain_module()
+    a = np.asarray(mod.render("42", random.Random(5)))
+    b = np.asarray(mod.render("42", random.Random(5)))
+    assert (a == b).all()
+    dark = (a < 128).mean()
+    assert 0.03 < dark < 0.4, f"the number should cover a visible part of the image, got {dark:.3f}"
+    assert not set(mod.HELD_OUT) & set(mod.TRAIN) and len(mod.TRAIN) + len(mod.HELD_OUT) == 100
+
+
+def test_shipped_model_loads_by_name_and_recipe_holds_out_its_test_targets():
+    if not (SHIPPED_MODELS["ocr-mini"] / "model_index.json").is_file():
+        pytest.fail("assets/models/ocr-mini is missing from the repository")
+    pipe = load_pipeline("ocr-mini")
+    assert pipe.transformer.config.num_layers == 4 and pipe.transformer.config.sample_size == 16
+    card = json.loads((SHIPPED_MODELS["ocr-mini"] / "pretrain.json").read_text())
+    assert 0.0 < card["ocr_held_out"]["mean"] < 1.0  # the base model is imperfect: room for RL to improve
+    cfg = load_config(str(REPO / "recipes" / "ocr_mini.yaml"))
+    assert cfg.model.path == "ocr-mini"
+    targets = lambda f: {extract_target(line) for line in (REPO / f).read_text().splitlines() if line.strip()}  # noqa: E731
+    train, test = targets(cfg.data.train_prompts), targets(cfg.data.test_prompts)
+    assert len(test) == 16 and not train & test, "validation targets must never occur in the training prompts"
+
+
+def test_missing_shipped_model_is_a_user_error(monkeypatch, tmp_path):
+    monkeypatch.setitem(SHIPPED_MODELS, "ocr-mini", tmp_path / "nowhere")
+    with pytest.raises(UserError, match="pretrain_ocr_mini.py"):
+        resolve_model_path("ocr-mini")
+    assert resolve_model_path("tiny") == "tiny"

@@ -1,0 +1,132 @@
+"""Every shipped recipe and launcher resolves with --print-config, offline, as real processes; the GeRL and
+Flow-GRPO recipes resolve to the peers' hyperparameters and conventions; one launcher really trains (tiny model)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gerl.config import Config, load_config, to_dict, trained_steps_per_sample
+
+REPO = Path(__file__).resolve().parents[2]
+YAMLS = sorted((REPO / "recipes").glob("*.yaml"))
+LAUNCHERS = sorted(p for p in (REPO / "recipes").glob("*.sh") if not p.name.startswith("_"))
+DATA = REPO / "assets" / "ocr"  # train.txt (2000 prompts) and test.txt: the dataset layout the launchers expect
+
+
+def env():
+    e = dict(os.environ)
+    e["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{e.get('PATH', '')}"  # the venv's `gerl`
+    e["PYTHONPATH"] = f"{REPO}{os.pathsep}{e.get('PYTHONPATH', '')}"  # this checkout's gerl, not another install
+    return e
+
+
+def run(args):
+    return subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=300, env=env())
+
+
+def resolved(stdout: str) -> dict:
+    data = yaml.safe_load(stdout)
+    assert set(data) == set(to_dict(Config())), "the whole tree is printed"
+    return data
+
+
+@pytest.mark.parametrize("recipe", YAMLS, ids=[p.name for p in YAMLS])
+def test_every_yaml_recipe_prints_its_resolved_config(recipe, tmp_path):
+    out = tmp_path / "run"
+    r = run([sys.executable, "-m", "gerl.cli", "train", str(recipe), f"output_dir={out}", "--print-config"])
+    assert r.returncode == 0, r.stderr
+    data = resolved(r.stdout)
+    assert data["output_dir"] == str(out) and not out.exists(), "--print-config writes nothing"
+    # what was printed is what a run would use: loading the printed YAML gives the same config
+    printed = tmp_path / "printed.yaml"
+    printed.write_text(r.stdout)
+    assert to_dict(load_config(str(printed))) == to_dict(load_config(str(recipe), [f"output_dir={out}"]))
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS, ids=[p.name for p in LAUNCHERS])
+def test_every_launcher_passes_print_config_through(launcher, tmp_path):
+    out = tmp_path / "run"
+    r = subprocess.run(["bash", str(launcher), "tiny", str(DATA), "train.learning_rate=2e-4", "--print-config", "seed=7"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**env(), "OUT": str(out)})
+    assert r.returncode == 0, r.stderr
+    data = resolved(r.stdout)
+    assert data["model"]["path"] == "tiny" and data["train"]["learning_rate"] == 2e-4 and data["seed"] == 7
+    assert data["data"]["train_prompts"] == f"{DATA}/train.txt"
+    assert not out.exists() and not any(tmp_path.iterdir()), "--print-config writes nothing"
+
+
+def launcher_config(name, *extra):
+    r = subprocess.run(["bash", str(REPO / "recipes" / name), "tiny", str(DATA), *extra, "--print-config"],
+                       capture_output=True, text=True, timeout=300, env=env())
+    assert r.returncode == 0, r.stderr
+    return resolved(r.stdout)
+
+
+def test_gerl_row_launcher_is_gerls_run_sd3_fast_3p_a1_r2():
+    c = launcher_config("run_sd3_fast_3p_a1_r2.sh")
+    d, s, t, m = c["data"], c["sampling"], c["train"], c["model"]
+    assert (d["prompts_per_step"], d["group_size"]) == (8, 8)  # data.train_batch_size=8, rollout.n=8
+    images = d["prompts_per_step"] * d["group_size"]
+    assert (t["mini_batch_size"], images // t["mini_batch_size"]) == (32, 2)  # ppo_mini_batch_size=4 prompts: 2 steps
+    assert t["micro_batch_size"] == 8 and s["micro_batch_size"] == 8  # ppo_micro_batch_size_per_gpu=8
+    assert (t["learning_rate"], t["weight_decay"]) == (1e-4, 1e-4)
+    assert (m["lora_rank"], m["lora_alpha"], m["dtype"], m["resolution"]) == (32, 64, "fp16", 512)
+    assert (t["clip_range"], t["adv_clip_max"], t["beta"], t["max_grad_norm"]) == (1e-5, 5.0, 0.0, 1.0)
+    assert (s["sampler"], s["noise_level"], s["sde_window_size"], s["sde_window_range"]) == ("cps", 0.8, 3, [0, 5])
+    assert (s["guidance_scale"], s["num_steps"], s["eval_num_steps"]) == (1.0, 10, 40)
+    assert (c["validation"]["every"], c["validation"]["num_prompts"]) == (5, 32)
+    assert c["max_steps"] == 15 * (2000 // 8)  # trainer.total_epochs=15 over the 2000-prompt train set
+    e = c["engine"]
+    assert (e["hybrid"], e["actor_workers"], e["rollout_workers"], e["schedule"], e["max_staleness"]) == \
+        (False, 1, 2, "async", 1)
+    assert c["conventions"] == {"preset": "gerl_mm_grpo", "sde_log_prob": "gaussian", "cps_log_prob": "squared_error",
+                                "kl_std": "noise_coef", "group_std": "unbiased"}
+    assert t["advantage"] == "global_std" and not t["per_prompt_tracker"]
+    assert c["reward"]["kwargs"] == {"strip": "spaces", "strict_confidence": True}
+
+
+@pytest.mark.parametrize("name", ["run_sd3_fast_3p_hybrid.sh", "run_sd3_fast_8p_hybrid_with_reward.sh",
+                                  "run_sd3_fast_3p_a2_r1.sh", "run_sd3_fast_1p_with_reward.sh"])
+def test_every_gerl_row_keeps_two_optimizer_steps_and_gerls_conventions(name):
+    c = launcher_config(name)
+    images = c["data"]["prompts_per_step"] * c["data"]["group_size"]
+    assert images // c["train"]["mini_batch_size"] == 2
+    assert c["conventions"]["preset"] == "gerl_mm_grpo" and c["train"]["clip_range"] == 1e-5
+    assert c["max_steps"] == 15 * (2000 // c["data"]["prompts_per_step"])
+
+
+def test_flow_grpo_recipe_is_general_ocr_sd3():
+    c = to_dict(load_config(str(REPO / "recipes" / "flow_grpo_sd3_ocr.yaml")))
+    s, t = c["sampling"], c["train"]
+    assert (s["sampler"], s["num_steps"], s["eval_num_steps"], s["sde_window_size"]) == ("sde", 10, 40, 0)
+    assert (s["noise_level"], s["guidance_scale"], s["timestep_fraction"]) == (0.7, 4.5, 0.99)
+    assert c["model"]["resolution"] == 512 and (c["data"]["prompts_per_step"], c["data"]["group_size"]) == (48, 24)
+    assert (t["beta"], t["clip_range"], t["learning_rate"], t["advantage"]) == (0.04, 1e-4, 3e-4, "global_std")
+    assert c["data"]["prompts_per_step"] * c["data"]["group_size"] // t["mini_batch_size"] == 2
+    assert c["conventions"]["preset"] == "flow_grpo" and c["conventions"]["group_std"] == "biased"
+    assert trained_steps_per_sample(load_config(str(REPO / "recipes" / "flow_grpo_sd3_ocr.yaml"))) == 9  # int(10·0.99)
+
+
+def test_launcher_without_the_dataset_fails_cleanly(tmp_path):
+    r = subprocess.run(["bash", str(REPO / "recipes" / "run_sd3_fast_3p_a1_r2.sh"), "tiny", str(tmp_path), "--print-config"],
+                       capture_output=True, text=True, timeout=60, env=env())
+    assert r.returncode == 2 and r.stderr.strip().startswith("gerl: error:") and "train.txt" in r.stderr
+
+
+def test_a_gerl_launcher_really_trains_and_reports(tmp_path):
+    """The whole launcher, end to end, on the tiny model: train one step, then its throughput line."""
+    out = tmp_path / "run"
+    tiny = ["model.resolution=64", "model.dtype=fp32", "model.max_sequence_length=32", "max_steps=1",
+            "data.prompts_per_step=2", "data.group_size=4", "train.mini_batch_size=4", "train.micro_batch_size=4",
+            "sampling.micro_batch_size=4", "reward.name=jpeg_compressibility", "validation.every=-1",
+            "log.tensorboard=false", "log.progress_bar=false"]
+    r = subprocess.run(["bash", str(REPO / "recipes" / "run_sd3_fast_1p_with_reward.sh"), "tiny", str(DATA), *tiny],
+                       capture_output=True, text=True, timeout=600, env={**env(), "OUT": str(out)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "1 steps, 1 GPUs, throughput" in r.stdout
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert saved["conventions"]["preset"] == "gerl_mm_grpo" and saved["train"]["advantage"] == "global_std"
