@@ -156,7 +156,8 @@ def run_mode(mode: str, cores: list[int], steps: int, overrides: list[str], out:
     run_dir = out / mode
     cmd = [sys.executable, "-m", "gerl.cli", "train", recipe, f"output_dir={run_dir}", f"max_steps={steps}",
            *COMMON, *mode_args, *overrides]
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, RAY_AUTH_MODE="disabled",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
                           preexec_fn=lambda: os.sched_setaffinity(0, set(cores)))
     if proc.returncode != 0:
@@ -228,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         profiles = {"all": res["sync"]["med"]}
         if any(m in DECOUPLED for m in modes):
             run_dir = run_mode("isolated_half", half, args.steps, [*overrides], out, args.recipe)
-            profiles["half"] = medians([r for r in read_jsonl(run_dir / "metrics.jsonl") if "step_s" in r and r["step"] > 1])
+            rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "step_s" in r and r["step"] > 1]
+            profiles["half"] = medians(rows)
         print_tables(res, profiles, n_mb, len(cores))
     finally:
         if server is not None:

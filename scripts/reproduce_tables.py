@@ -10,11 +10,13 @@ Strategies (overrides from scripts/bench_async.py's MODES; every run is pinned t
   stale2        as one_step_off with max_staleness 2
 
 Each run is `gerl train RECIPE` in a subprocess, stopped at --max-steps or after --budget-s wall seconds (SIGINT:
-the run closes cleanly and keeps the validations it logged). As soon as a run finishes its row is appended: the
-markdown table (--table), a JSON copy (same path, .json) and the comparison plot (--plot: validation reward vs
-core-hours and images/s per core) are rewritten. Definitions: devices = cores; core-hours = cores × Σ(step_s +
-validate_s) (gerl/logging/throughput.py); images/s/core = images generated / (cores × the same wall seconds);
-"to target" = the first validation ≥ --target that holds for --hold validations.
+the run closes cleanly and keeps the validations it logged; SIGKILL if it has not stopped 60 s later). As soon as
+a run finishes its row is appended: the markdown table (--table), a JSON copy (same path, .json) and the
+comparison plot (--plot: validation reward vs core-hours and images/s per core) are rewritten.
+
+Definitions: devices = cores; core-hours = cores × Σ(step_s + validate_s) (gerl/logging/throughput.py);
+images/s/core = images generated / (cores × the same wall seconds); "to target" = the first validation ≥ --target
+that holds for --hold validations.
 
     python scripts/reproduce_tables.py --recipe recipes/tiny_cpu.yaml --max-steps 40 --budget-s 240 \\
         --target -3.5 --table runs/tables/table.md --plot runs/tables/strategies.png [key=value ...]
@@ -151,12 +153,13 @@ def train_one(strategy: str, args, cores: list[int], overrides: list[str]) -> Pa
     env = dict(os.environ, RAY_AUTH_MODE="disabled",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     log = (Path(args.runs_dir) / f"{strategy}.log").open("w")
-    t0 = time.monotonic()
+    t0, stopped = time.monotonic(), False
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             preexec_fn=lambda: os.sched_setaffinity(0, set(cores)))
     try:
         while proc.poll() is None:
             if args.budget_s and time.monotonic() - t0 > args.budget_s:
+                stopped = True
                 proc.send_signal(signal.SIGINT)  # the trainer closes its engine and logs; validations are kept
                 try:
                     proc.wait(60)
@@ -170,7 +173,8 @@ def train_one(strategy: str, args, cores: list[int], overrides: list[str]) -> Pa
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         log.close()
-    if proc.returncode not in (0, 130, -signal.SIGINT) or not read_rows(run_dir):
+    # A run stopped by the budget keeps the rows it logged (maybe none: an empty row); a crash stops the table.
+    if proc.returncode != 0 and not stopped:
         tail = (Path(args.runs_dir) / f"{strategy}.log").read_text()[-2000:]
         sys.exit(f"reproduce_tables: {strategy} failed (exit {proc.returncode}); its log ends:\n{tail}")
     return run_dir

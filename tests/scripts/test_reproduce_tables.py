@@ -81,3 +81,15 @@ def test_reproduce_tables_needs_validation_during_training(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "validation.every" in err[0]
     assert not (tmp_path / "t.md").exists()
+
+
+def test_a_run_stopped_by_the_wall_clock_budget_still_gets_its_row(tmp_path):
+    table = tmp_path / "table.md"
+    argv = ["--recipe", "recipes/tiny_cpu.yaml", "--strategies", "sync", "--max-steps", "1000", "--budget-s", "2",
+            "--target", "0", "--runs-dir", str(tmp_path / "runs"), "--table", str(table), "--plot",
+            str(tmp_path / "p.png"), *TINY]
+    assert rt.main(argv) == 0
+    row = [c.strip() for c in table.read_text().splitlines()[2].strip("|").split("|")]
+    metrics = (tmp_path / "runs" / "sync" / "metrics.jsonl")
+    logged = [json.loads(ln) for ln in metrics.read_text().splitlines()] if metrics.is_file() else []
+    assert row[0] == "sync" and int(row[2]) == max((m["step"] for m in logged), default=0) < 1000
