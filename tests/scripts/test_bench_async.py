@@ -123,3 +123,22 @@ def test_tables_give_speed_up_against_sync_and_efficiency_against_the_isolated_i
     assert rows["with_reward"][3:6] == ["1.25×", "1.900", "0.95"]  # 2.5/2.0; gen+dec+reward/4+train; 1.9/2.0
     assert rows["one_step_off"][1] == "1 / 1"
     assert rows["one_step_off"][3:6] == ["2.00×", "2.000", "1.60"]  # ideal max(1.6+0.2+0.2, 0.5+0.1) on 1 core
+
+
+# Smoke test of the whole script: two real `gerl train` runs (sync and with_reward, tiny model, 2 × 4 images, 4
+# denoising steps) against a real remote reward server process, timelines read back and both tables printed.
+def test_bench_async_end_to_end_with_the_remote_reward(capsys):
+    tiny = ["data.prompts_per_step=2", "data.group_size=4", "sampling.num_steps=4", "sampling.sde_window_size=2",
+            "sampling.sde_window_range=[0,3]", "sampling.micro_batch_size=4", "train.mini_batch_size=4",
+            "train.micro_batch_size=4"]
+    assert bench.main(["--steps", "3", "--reward", "remote", "--latency", "0.05", "--modes", "with_reward",
+                       *tiny]) == 0
+    out = capsys.readouterr().out
+    rows = {ln.split("|")[1].strip(): [c.strip() for c in ln.strip("|").split("|")]
+            for ln in out.split("where the time went")[0].splitlines() if ln.startswith("| ") and "---" not in ln}
+    rows.pop("mode")  # the header
+    assert set(rows) == {"sync", "with_reward"} and rows["sync"][3] == "1.00×"
+    for row in rows.values():
+        step, ideal, eff = float(row[2]), float(row[4]), float(row[5])
+        assert step > 0 and ideal > 0 and eff == pytest.approx(ideal / step, abs=0.006)
+        assert float(row[8]) >= 0.05  # the reward's latency is what the remote call costs at least
