@@ -14,6 +14,11 @@ from pathlib import Path
 
 from gerl.errors import Interrupted, RunAborted, UserError
 
+# Before torch loads OpenMP: idle threads sleep instead of spinning. On a busy CPU a spinning thread holds a core that
+# another thread (the reward, a second worker) needs; measured on 2 shared cores, a 2-thread training step of ocr-mini
+# took 6-15 s spinning vs 0.5-1 s passive (docs/benchmarks.md). Set OMP_WAIT_POLICY yourself to override.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 
 def _quiet_libraries() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

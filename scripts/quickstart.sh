@@ -6,8 +6,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
-# Idle OpenMP threads sleep instead of spinning: on a small shared CPU, spinning threads steal the cores that the
-# reward and the other threads need (measured: up to 10x slower training steps on a busy 2-core machine).
-export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 gerl train recipes/ocr_mini.yaml output_dir=runs/quickstart overwrite=true "$@"
 python scripts/summarize_run.py runs/quickstart
