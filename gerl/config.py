@@ -82,6 +82,8 @@ class TrainConfig:
     recompute_old_log_probs: bool = False  # recompute old log-probs at the current weights instead of using the rollout's
     ema_decay: float = 0.0  # EMA of the trained weights used for validation (0 = off; e.g. 0.9 on small runs)
     flip_advantage: bool = False  # negate advantages — a sanity check: the reward must then NOT rise
+    loss: str = "ppo_clip"  # policy objective from gerl/algo/policy_loss.py: ppo_clip | tis | topr | cispo (off-policy corrections for stale batches)
+    is_cap: float = 2.0  # loss=tis: importance weights are truncated at this value (dimensionless, > 0)
 
 
 @dataclass
@@ -354,6 +356,12 @@ def validate(cfg: Config) -> list[str]:
         e.append("train.clip_range must be > 0")
     if not 0 <= t.ema_decay < 1:
         e.append("train.ema_decay must be in [0, 1)")
+    from gerl.algo.policy_loss import POLICY_LOSSES
+
+    if t.loss not in POLICY_LOSSES:
+        e.append(f"train.loss={t.loss!r} is not a registered policy loss; choose one of {', '.join(sorted(POLICY_LOSSES))}")
+    if t.is_cap <= 0:
+        e.append("train.is_cap must be > 0")
     if cfg.model.lora and cfg.model.lora_rank < 1:
         e.append("model.lora_rank must be ≥ 1")
     if cfg.model.resolution % 16:

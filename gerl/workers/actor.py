@@ -157,7 +157,8 @@ class ActorWorker:
                                 ref_mean = self._replay(ref, batch, idx, k).mean
                         device = out.log_prob.device
                         loss, stats = grpo_loss(out.log_prob, old[idx, k].to(device), advantages[idx].to(device),
-                                                cfg.clip_range, cfg.beta, out.mean, ref_mean, out.std, self.ratio_cap)
+                                                cfg.clip_range, cfg.beta, out.mean, ref_mean, out.std, self.ratio_cap,
+                                                cfg.loss, cfg.is_cap)
                         if not torch.isfinite(loss):
                             finite = False
                             continue
