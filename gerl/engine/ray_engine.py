@@ -92,7 +92,8 @@ class Host:
     def validate(self, prompts, metadata, weights=None):
         if weights is None:
             return self.rollout.validate(prompts, metadata)
-        current = self.rollout.weights()
+        # clone: on CPU in fp32, weights() hands back the live parameters, which the EMA load would overwrite
+        current = {n: t.clone() for n, t in self.rollout.weights().items()}
         self.rollout.load_weights(weights, self.rollout.version)
         try:
             return self.rollout.validate(prompts, metadata)
@@ -135,6 +136,9 @@ class Host:
 
     def actor_version(self) -> int:
         return self.actor.version
+
+    def older_versions(self):
+        return self.actor.older_versions()
 
     def save(self, run_dir, step, extra, keep_last):
         self.actor.save(run_dir, step, extra, keep_last)
@@ -238,6 +242,7 @@ class RayEngine:
         self.restarts = 0
         self._version = 0
         self._pending_loads: list = []
+        self._replay: dict[int, dict] = {}  # after an async resume: older versions' weights for re-issued steps
         self.sync()  # rollouts start from the actor's exact weights
 
     def _check_resources(self, hosts: int) -> None:
@@ -266,7 +271,18 @@ class RayEngine:
 
     def submit(self, step, prompts, metadata, group_ids):
         shards = self._shards(prompts, metadata, group_ids)
+        # An uninterrupted async run generates step t with version max(0, t − k − 1) (see Trainer.fit); after a
+        # resume the steps that were in flight get that very version back, then the rollouts return to the current.
+        v = max(0, step - self.cfg.engine.max_staleness - 1)
+        old = self._replay.get(v)  # a host runs its calls in order: load old → generate → load current
+        if old is not None:
+            old_ref = self.ray.put(old)
+            for h in self.rollouts:
+                h.load_weights.remote(old_ref, v)
         refs = [h.generate.remote(*s[:3], step, s[3]) for h, s in zip(self.rollouts, shards)]
+        if old is not None:
+            current = self.actors[0].actor_weights.remote()
+            self._pending_loads = [h.load_weights.remote(current, self._version) for h in self.rollouts]
         return {"step": step, "shards": shards, "refs": refs, "hosts": list(self.rollouts)}
 
     def collect(self, handle):
@@ -360,6 +376,8 @@ class RayEngine:
     def load(self, path) -> dict:
         states = self.ray.get([h.load.remote(str(path)) for h in self.actors])
         self._version = states[0]["policy_version"]
+        if self.cfg.engine.schedule == "async":
+            self._replay = self.ray.get(self.actors[0].older_versions.remote())
         self.sync()
         return states[0]
 

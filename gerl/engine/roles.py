@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import os
 import time
+from collections import deque
 
 import torch
 
-from gerl.checkpoint import load_checkpoint, save_checkpoint
+from gerl.checkpoint import load_checkpoint, load_inflight_weights, save_checkpoint
 from gerl.config import Config, reward_components, trained_steps_per_sample, derived_sizes
 from gerl.models.loader import TextEmbedder, add_lora, load_pipeline, lora_file
 from gerl.workers.actor import ActorWorker
@@ -126,6 +127,15 @@ class ActorRole:
         self.worker = ActorWorker(self.pipe.transformer, cfg.train, cfg.model, cfg.sampling, cfg.max_steps,
                                   sizes["images_per_step"], cfg.seed, world=world, grad_sync=grad_sync,
                                   ratio_cap=cfg.engine.ratio_cap)
+        # async: the weights of the last max_staleness versions, which generations still in flight were issued
+        # with — a checkpoint keeps them so that a resumed run re-issues those generations bit-exactly.
+        self.history = deque(maxlen=cfg.engine.max_staleness + 1) if cfg.engine.schedule == "async" else None
+        self._remember()
+
+    def _remember(self) -> None:
+        if self.history is not None:
+            # clone: on CPU in fp32, weights() hands back the live parameters themselves
+            self.history.append((self.version, {n: t.clone() for n, t in self.weights().items()}))
 
     def pid(self) -> int:
         return os.getpid()
@@ -135,17 +145,29 @@ class ActorRole:
         return self.worker.version
 
     def update(self, batch, advantages, step: int) -> dict:
-        return self.worker.update(batch, advantages, step)
+        m = self.worker.update(batch, advantages, step)
+        self._remember()
+        return m
+
+    def older_versions(self) -> dict[int, dict[str, torch.Tensor]]:
+        """{version: weights} of the remembered versions older than the current one."""
+        return {v: w for v, w in (self.history or []) if v < self.version}
 
     def weights(self) -> dict[str, torch.Tensor]:
         return self.worker.trainable_state()
 
     def save(self, run_dir, step: int, extra_state: dict, keep_last: int) -> None:
         if self.rank == 0:
-            save_checkpoint(run_dir, step, self.worker, extra_state, keep_last)
+            inflight = {f"v{v}/{n}": t for v, w in self.older_versions().items() for n, t in w.items()}
+            save_checkpoint(run_dir, step, self.worker, extra_state, keep_last, inflight)
 
     def load(self, path) -> dict:
-        return load_checkpoint(path, self.worker)
+        state = load_checkpoint(path, self.worker)
+        if self.history is not None:
+            self.history.clear()
+            self.history.extend(sorted(load_inflight_weights(path).items()))
+            self._remember()
+        return state
 
     def ema_swapped(self):
         return self.worker.ema.swapped() if self.worker.ema is not None else None
