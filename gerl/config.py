@@ -138,8 +138,10 @@ class EngineConfig:
     rollout_workers: int = 1  # M: generation workers (devices) in the rollout pool; a step's groups are split across them
     device: Literal["auto", "cpu", "cuda"] = "auto"  # what each worker's share is: a GPU each, or cpus_per_worker cores
     cpus_per_worker: int = 1  # CPU cores pinned to each worker when device=cpu (torch threads = this)
-    schedule: Literal["sync", "async"] = "sync"  # sync: generate → reward → train → sync; async: generation runs max_staleness batches ahead
-    max_staleness: int = 1  # async only: batches generated ahead of training (1 = one-step-off; ROLL's async_generation_ratio)
+    schedule: Literal["sync", "async", "stream"] = "sync"  # sync: generate → reward → train → sync; async: generation runs max_staleness batches ahead; stream: rollouts pull groups from one prompt stream, the trainer takes the first complete ones (docs/architecture.md)
+    max_staleness: int = 1  # async: batches generated ahead of training (1 = one-step-off; ROLL's async_generation_ratio); stream: also the lag in versions beyond which a group is stale
+    stale: Literal["drop", "downweight"] = "drop"  # stream: a group older than max_staleness versions is dropped, or kept with its advantages scaled down
+    stale_decay: float = 0.5  # stream, stale=downweight: advantages × stale_decay^(lag − max_staleness), in (0, 1]
     ratio_cap: float = 0.0  # truncate the importance ratio at this value for stale batches (0 = off)
     weight_sync: Literal["auto", "object_store", "broadcast"] = "auto"  # auto: object store for LoRA, bucketed broadcast for full fine-tuning
     sync_bucket_mb: int = 256  # bucket size of the broadcast weight sync
@@ -381,14 +383,18 @@ def validate(cfg: Config) -> list[str]:
     elif g.kind == "local" and (g.actor_workers > 1 or g.rollout_workers > 1 or not g.hybrid or g.schedule != "sync"):
         e.append("engine.kind=local runs one colocated worker with schedule=sync; set engine.kind=ray for more "
                  "workers, hybrid=false or schedule=async")
-    elif g.hybrid and g.schedule == "async":
-        e.append("engine.schedule=async needs engine.hybrid=false (a colocated rollout cannot generate while its "
-                 "device trains)")
+    elif g.hybrid and g.schedule != "sync":
+        e.append(f"engine.schedule={g.schedule} needs engine.hybrid=false (a colocated rollout cannot generate while "
+                 "its device trains)")
     elif g.hybrid and g.actor_workers != g.rollout_workers:
         e.append(f"engine.hybrid=true colocates one actor and one rollout per device: actor_workers "
                  f"({g.actor_workers}) must equal rollout_workers ({g.rollout_workers})")
-    if g.schedule == "async" and g.max_staleness < 1:
-        e.append("engine.max_staleness must be ≥ 1 with schedule=async")
+    if g.schedule != "sync" and g.max_staleness < 1:
+        e.append(f"engine.max_staleness must be ≥ 1 with schedule={g.schedule}")
+    if g.schedule == "stream" and g.weight_sync == "broadcast":
+        e.append("engine.schedule=stream stages weights through the object store; set engine.weight_sync=auto or object_store")
+    if not 0 < g.stale_decay <= 1:
+        e.append("engine.stale_decay must be in (0, 1]")
     if d.prompts_per_step % g.rollout_workers:
         e.append(f"data.prompts_per_step={d.prompts_per_step} must be divisible by engine.rollout_workers "
                  f"({g.rollout_workers}): each rollout worker generates whole groups")

@@ -110,6 +110,10 @@ class Trainer:
             if self.tracker is not None and state.get("tracker"):
                 self.tracker.load_state_dict(state["tracker"])
             self.counters.update(state.get("counters", {}))
+        if cfg.engine.schedule == "stream":  # rollouts pull groups from one prompt stream (gerl/engine/stream.py)
+            stream_state = state.get("stream") if prep.resume_from is not None else None
+            self.sampler_after[(stream_state or {}).get("first_draw", 1) - 1] = self.sampler.state_dict()
+            self.engine.open_stream(self.next_prompts, stream_state)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.run_dir / "config.yaml.tmp"
         tmp.write_text(to_yaml(cfg))
@@ -170,6 +174,8 @@ class Trainer:
             adv = self.tracker.advantages(batch.prompts, batch.rewards).clamp(-cfg.adv_clip_max, cfg.adv_clip_max)
         else:
             adv = compute_advantages(cfg.advantage, batch.rewards, batch.group_ids, cfg.adv_clip_max)
+        if batch.adv_scale is not None:  # streaming: stale groups kept with a smaller weight
+            adv = adv * batch.adv_scale
         return -adv if cfg.flip_advantage else adv
 
     @torch.no_grad()
@@ -186,8 +192,11 @@ class Trainer:
                 "validate_s": time.perf_counter() - t0}
 
     def checkpoint(self, step: int) -> None:
-        extra = {"sampler": self.sampler_after[step], "tracker": self.tracker.state_dict() if self.tracker else None,
+        extra = {"sampler": self.sampler_after.get(step), "tracker": self.tracker.state_dict() if self.tracker else None,
                  "counters": self.counters}
+        if self.cfg.engine.schedule == "stream":  # a resumed stream restarts at its first unfinished draw
+            stream = self.engine.stream.state_dict()
+            extra.update(sampler=self.sampler_after[stream["first_draw"] - 1], stream=stream)
         self.engine.save(self.run_dir, step, extra, self.cfg.checkpoint.keep_last)
 
     # ------------------------------------------------------------------ the loop
@@ -200,6 +209,7 @@ class Trainer:
 
             progress = tqdm(total=cfg.max_steps, initial=self.start_step, desc="train", file=sys.stderr, dynamic_ncols=True)
         ahead = cfg.engine.max_staleness if cfg.engine.schedule == "async" else 0
+        stream = cfg.engine.schedule == "stream"  # the engine keeps its rollouts busy from one prompt stream
         pending: deque = deque()  # (step, handle) of generations issued but not yet trained on
         next_gen = self.start_step + 1
         try:
@@ -211,10 +221,10 @@ class Trainer:
             self._step_clock = time.perf_counter()  # step_s runs from the end of the previous step (see run_step)
             for step in range(self.start_step + 1, cfg.max_steps + 1):
                 # Keep `ahead` batches generating beyond the one trained now (none for the sync schedule).
-                while next_gen <= min(step + ahead, cfg.max_steps):
+                while not stream and next_gen <= min(step + ahead, cfg.max_steps):
                     pending.append((next_gen, self.engine.submit(next_gen, *self.next_prompts(next_gen))))
                     next_gen += 1
-                gen_step, handle = pending.popleft()
+                gen_step, handle = pending.popleft() if not stream else (step, {"stream": step})
                 assert gen_step == step
                 metrics = self.run_step(step, handle)
                 if progress is not None:

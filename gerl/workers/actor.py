@@ -93,7 +93,7 @@ class ActorWorker:
         t = batch.traj
         device = next(transformer.parameters()).device
         return replay_log_prob(
-            transformer, t.latents[idx, k].to(device), t.next_latents[idx, k].to(device), t.step_indices[k],
+            transformer, t.latents[idx, k].to(device), t.next_latents[idx, k].to(device), t.steps_of(idx, k),
             batch.embeds.index(idx), batch.schedule, self.sampling.sampler, self.sampling.noise_level,
             self.sampling.guidance_scale,
         )

@@ -46,3 +46,39 @@ def test_async_resume_is_bit_exact(tmp_path):
     a = load_file(str(tmp_path / "full/checkpoints/step_000004/trainable.safetensors"))
     b = load_file(str(tmp_path / "split/checkpoints/step_000004/trainable.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+STREAM = ["engine.schedule=stream", "engine.max_staleness=1", "reward.name=tests.engine.slow_reward:first_call_slow",
+          "reward.workers=4"]
+
+
+def test_stream_trains_groups_in_completion_order(tmp_path):
+    from gerl.trainer import Trainer, prepare
+
+    trainer = Trainer(*(lambda c: (c, prepare(c)))(small_config(tmp_path, "max_steps=2", *DECOUPLED, *STREAM)))
+    try:
+        batch, res = trainer.engine.collect({"stream": 1})
+        draws = trainer.engine.stream.draws
+        n = 4
+        # group 0 of draw 1 was generated first but its reward straggles: step 1 gets the next two groups
+        assert batch.prompts == draws[1][0][n:2 * n] + draws[2][0][:n]
+        assert batch.group_ids.tolist() == [0] * n + [1] * n and torch.isfinite(res.total).all()
+        assert batch.timings["policy_lags"] == [0, 0] and batch.policy_version == 0
+    finally:
+        trainer.engine.close()
+
+
+def test_stream_bounds_staleness_stages_weights_and_resumes(tmp_path):
+    rows = _run(tmp_path, "max_steps=5", "checkpoint.every=3", *STREAM)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert all(len(r["policy_lags"]) == 2 and max(r["policy_lags"]) <= 1 for r in rows)
+    # the straggler (generated at version 0, scored after 8 later groups) is older than max_staleness by then
+    assert rows[-1]["stale_groups_dropped_total"] >= 1
+    assert rows[-1]["stale_groups_dropped_total"] == sum(r["stale_groups_dropped"] for r in rows)
+    assert max(r["policy_version"] for r in rows) >= 2  # new weights reached the rollout while it kept generating
+    assert any(r["weight_load_s"] > 0 for r in rows)  # loaded from the staged buffer between micro-batches
+    state = json.loads((tmp_path / "checkpoints/step_000003/trainer_state.json").read_text())
+    assert state["stream"]["first_draw"] >= 1 and state["stream"]["dropped_total"] >= 0
+    resumed = _run(tmp_path, "max_steps=6", "resume=true", *STREAM)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
+    assert max(resumed[-1]["policy_lags"]) <= 1
