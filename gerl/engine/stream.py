@@ -24,6 +24,9 @@ from gerl.workers.reward import merge_results
 
 
 class GroupStream:
+    QUEUE = 2  # start() calls queued per host: one generating, one waiting, so a host never idles while the
+    # driver is busy training (a queued unit still loads the newest staged weights when it begins)
+
     def __init__(self, engine, draw, first_draw: int = 1, consumed: list[int] = (), dropped: int = 0):
         """engine: the RayEngine (its ray module, rollouts, config); draw(d) -> (prompts, metadata, group_ids) of
         draw d; resume: start at first_draw, skipping the group numbers in `consumed` (already trained)."""
@@ -39,7 +42,7 @@ class GroupStream:
         self.last_draw = first_draw - 1
         self.generating: dict = {}  # ref of start() → (host index, first group)
         self.scoring: dict = {}  # ref of finish() → (host index, first group)
-        self.busy: set[int] = set()
+        self.busy: list[int] = []  # host index per start() call not yet returned
         self.ready: list[tuple] = []  # (first group, host, batch, res) in completion order
         self.dropped_total = dropped
 
@@ -48,11 +51,11 @@ class GroupStream:
             [u[0] for u in self.ready]
 
     def _issue(self) -> None:
-        """Give every idle host the next unit, while generation is within max_staleness batches of training."""
-        for j, host in enumerate(self.engine.rollouts):
+        """Keep QUEUE units queued on every host, while generation is within max_staleness batches of training."""
+        for j, host in [*enumerate(self.engine.rollouts)] * self.QUEUE:
             while self.next_group in self.consumed:  # resume: already trained before the checkpoint
                 self.next_group += 1
-            if j in self.busy or len(self._open_groups()) * self.unit >= (self.k + 1) * self.P:
+            if self.busy.count(j) >= self.QUEUE or len(self._open_groups()) * self.unit >= (self.k + 1) * self.P:
                 continue
             g = self.next_group
             d, i = g // self.P + 1, g % self.P
@@ -63,7 +66,7 @@ class GroupStream:
             sl = slice(i * self.n, (i + self.unit) * self.n)
             ref = host.start.remote(prompts[sl], metadata[sl], gids[sl], d, i * self.n)
             self.generating[ref] = (j, g)
-            self.busy.add(j)
+            self.busy.append(j)
             self.next_group += self.unit
 
     def take(self, actor_version: int):
@@ -80,7 +83,7 @@ class GroupStream:
                                  "check its logs, then rerun with resume=true") from None
             if ref in self.generating:
                 j, g = self.generating.pop(ref)
-                self.busy.discard(j)  # generation done: the host takes its next unit while this one is scored
+                self.busy.remove(j)  # generation done: the host takes its next unit while this one is scored
                 host = self.engine.rollouts[j]
                 self.scoring[host.finish.options(concurrency_group="rewards").remote(out)] = (j, g)
                 continue
