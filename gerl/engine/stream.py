@@ -24,9 +24,6 @@ from gerl.workers.reward import merge_results
 
 
 class GroupStream:
-    QUEUE = 2  # start() calls queued per host: one generating, one waiting, so a host never idles while the
-    # driver is busy training (a queued unit still loads the newest staged weights when it begins)
-
     def __init__(self, engine, draw, first_draw: int = 1, consumed: list[int] = (), dropped: int = 0):
         """engine: the RayEngine (its ray module, rollouts, config); draw(d) -> (prompts, metadata, group_ids) of
         draw d; resume: start at first_draw, skipping the group numbers in `consumed` (already trained)."""
@@ -45,17 +42,22 @@ class GroupStream:
         self.busy: list[int] = []  # host index per start() call not yet returned
         self.ready: list[tuple] = []  # (first group, host, batch, res) in completion order
         self.dropped_total = dropped
+        # start() calls queued per host: its share of the in-flight bound, so a host never idles while the driver
+        # trains and enough groups are in flight to skip stragglers (a queued unit loads the newest staged weights
+        # when it begins, so queueing does not age it)
+        hosts = len(engine.rollouts)
+        self.queue = max(1, -(-(self.k + 1) * self.P // (self.unit * hosts)))
 
     def _open_groups(self) -> list[int]:
         return [g for _, g in self.generating.values()] + [g for _, g in self.scoring.values()] + \
             [u[0] for u in self.ready]
 
     def _issue(self) -> None:
-        """Keep QUEUE units queued on every host, while generation is within max_staleness batches of training."""
-        for j, host in [*enumerate(self.engine.rollouts)] * self.QUEUE:
+        """Keep `queue` units queued on every host, while generation is within max_staleness batches of training."""
+        for j, host in [*enumerate(self.engine.rollouts)] * self.queue:
             while self.next_group in self.consumed:  # resume: already trained before the checkpoint
                 self.next_group += 1
-            if self.busy.count(j) >= self.QUEUE or len(self._open_groups()) * self.unit >= (self.k + 1) * self.P:
+            if self.busy.count(j) >= self.queue or len(self._open_groups()) * self.unit >= (self.k + 1) * self.P:
                 continue
             g = self.next_group
             d, i = g // self.P + 1, g % self.P
