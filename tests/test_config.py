@@ -104,3 +104,15 @@ def test_every_gpu_launcher_validates(script):
 def test_gpu_launchers_exist():
     names = {s.name for s in SCRIPTS}
     assert {"run_sd3_fast_3p_a1_r2.sh", "run_sd3_fast_3p_a2_r1.sh", "run_sd3_fast_3p_hybrid.sh"} <= names
+
+
+def test_stream_schedule_checks():
+    base = ["engine.kind=ray", "engine.schedule=stream"]
+    with pytest.raises(UserError, match="engine.schedule=stream needs engine.hybrid=false"):
+        load_config(None, base)
+    with pytest.raises(UserError, match="stages weights through the object store"):
+        load_config(None, [*base, "engine.hybrid=false", "engine.weight_sync=broadcast"])
+    with pytest.raises(UserError, match="engine.stale_decay must be in"):
+        load_config(None, [*base, "engine.hybrid=false", "engine.stale_decay=0"])
+    cfg = load_config(None, [*base, "engine.hybrid=false", "engine.stale=downweight"])
+    assert cfg.engine.schedule == "stream" and cfg.engine.stale == "downweight"
