@@ -8,6 +8,8 @@ checkpoints/step_NNNNNN/
   optimizer.safetensors             AdamW moments and step counts
   ema.safetensors                   EMA shadow weights (if train.ema_decay > 0)
   rng.safetensors                   torch CPU RNG state
+  inflight_weights.safetensors      older policy versions still generating ahead ("v{version}/{name}"), so an
+                                    async resume re-issues those generations with the very same weights
   trainer_state.json                step, optimizer hyper-parameters, LR-schedule position, data position,
                                     per-prompt tracker, Python/NumPy RNG, policy version
 """
@@ -48,8 +50,10 @@ def _optimizer_from_flat(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
     return {"state": state, "param_groups": meta["param_groups"]}
 
 
-def save_checkpoint(run_dir: Path, step: int, actor, extra_state: dict, keep_last: int = 0) -> Path:
-    """Write the checkpoint of `step` atomically and prune old ones. `extra_state` must be JSON-serialisable."""
+def save_checkpoint(run_dir: Path, step: int, actor, extra_state: dict, keep_last: int = 0,
+                    inflight: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write the checkpoint of `step` atomically and prune old ones. `extra_state` must be JSON-serialisable;
+    `inflight` (older versions' weights by "v{version}/{name}") goes to inflight_weights.safetensors."""
     final = step_dir(run_dir, step)
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -65,6 +69,8 @@ def save_checkpoint(run_dir: Path, step: int, actor, extra_state: dict, keep_las
         save_file({n: s.float().cpu().contiguous() for (n, _), s in zip(actor.named_params, actor.ema.shadow)},
                   str(tmp / "ema.safetensors"))
     save_file({"torch_cpu": torch.get_rng_state()}, str(tmp / "rng.safetensors"))
+    if inflight:
+        save_file(inflight, str(tmp / "inflight_weights.safetensors"))
     np_state = np.random.get_state()
     state = {
         "step": step,
@@ -182,3 +188,13 @@ def load_checkpoint(path: Path, actor) -> dict:
     npr = state["numpy_rng"]
     np.random.set_state((npr[0], np.array(npr[1], dtype=np.uint32), *npr[2:]))
     return state
+
+
+def load_inflight_weights(path: Path) -> dict[int, dict[str, torch.Tensor]]:
+    """{version: {name: tensor}} of the older policy versions a checkpoint kept for in-flight generations."""
+    f = Path(path) / "inflight_weights.safetensors"
+    out: dict[int, dict[str, torch.Tensor]] = {}
+    for key, t in (load_file(str(f)).items() if f.is_file() else []):
+        v, name = key.split("/", 1)
+        out.setdefault(int(v[1:]), {})[name] = t
+    return out

@@ -83,6 +83,8 @@ class TrainConfig:
     recompute_old_log_probs: bool = False  # recompute old log-probs at the current weights instead of using the rollout's
     ema_decay: float = 0.0  # EMA of the trained weights used for validation (0 = off; e.g. 0.9 on small runs)
     flip_advantage: bool = False  # negate advantages — a sanity check: the reward must then NOT rise
+    loss: str = "ppo_clip"  # policy objective from gerl/algo/policy_loss.py: ppo_clip | tis | topr | cispo (off-policy corrections for stale batches)
+    is_cap: float = 2.0  # loss=tis: importance weights are truncated at this value (dimensionless, > 0)
 
 
 @dataclass
@@ -143,8 +145,10 @@ class EngineConfig:
     rollout_workers: int = 1  # M: generation workers (devices) in the rollout pool; a step's groups are split across them
     device: Literal["auto", "cpu", "cuda"] = "auto"  # what each worker's share is: a GPU each, or cpus_per_worker cores
     cpus_per_worker: int = 1  # CPU cores pinned to each worker when device=cpu (torch threads = this)
-    schedule: Literal["sync", "async"] = "sync"  # sync: generate → reward → train → sync; async: generation runs max_staleness batches ahead
-    max_staleness: int = 1  # async only: batches generated ahead of training (1 = one-step-off; ROLL's async_generation_ratio)
+    schedule: Literal["sync", "async", "stream"] = "sync"  # sync: generate → reward → train → sync; async: generation runs max_staleness batches ahead; stream: rollouts pull groups from one prompt stream, the trainer takes the first complete ones (docs/architecture.md)
+    max_staleness: int = 1  # async: batches generated ahead of training (1 = one-step-off; ROLL's async_generation_ratio); stream: also the lag in versions beyond which a group is stale
+    stale: Literal["drop", "downweight"] = "drop"  # stream: a group older than max_staleness versions is dropped, or kept with its advantages scaled down
+    stale_decay: float = 0.5  # stream, stale=downweight: advantages × stale_decay^(lag − max_staleness), in (0, 1]
     ratio_cap: float = 0.0  # truncate the importance ratio at this value for stale batches (0 = off)
     weight_sync: Literal["auto", "object_store", "broadcast"] = "auto"  # auto: object store for LoRA, bucketed broadcast for full fine-tuning
     sync_bucket_mb: int = 256  # bucket size of the broadcast weight sync
@@ -501,6 +505,7 @@ RANGES: dict[str, Range] = {
     "train.mini_batch_size": _ge(0, "0 = all images of the step"),
     "train.micro_batch_size": _ge(1),
     "train.clip_range": _gt(0),
+    "train.is_cap": _gt(0),
     "train.adv_clip_max": _gt(0, "advantages are clamped to [−adv_clip_max, adv_clip_max]"),
     "train.beta": _ge(0),
     "train.max_grad_norm": _ge(0, "0 = no clipping"),
@@ -527,6 +532,7 @@ RANGES: dict[str, Range] = {
     "engine.rollout_workers": _ge(1),
     "engine.cpus_per_worker": _ge(1),
     "engine.max_staleness": _ge(1, "1 = one-step-off"),
+    "engine.stale_decay": Range(0, 1, lo_open=True),
     "engine.ratio_cap": _ge(0, "0 = off"),
     "engine.sync_bucket_mb": _ge(1),
     "engine.max_rollout_restarts": _ge(0),
@@ -602,18 +608,24 @@ def _relations(cfg: Config) -> list[str]:
             if not (0 <= lo and hi - lo >= s.sde_window_size and hi <= s.num_steps - 1):
                 e.append(f"sampling.sde_window_range={s.sde_window_range} must satisfy 0 ≤ lo, hi − lo ≥ "
                          f"sde_window_size ({s.sde_window_size}) and hi ≤ num_steps − 1 ({s.num_steps - 1}, the final step is deterministic)")
+    from gerl.algo.policy_loss import POLICY_LOSSES
+
+    if t.loss not in POLICY_LOSSES:
+        e.append(f"train.loss={t.loss!r} is not a registered policy loss; choose one of {', '.join(sorted(POLICY_LOSSES))}")
     if cfg.model.resolution % 16:
         e.append(f"model.resolution={cfg.model.resolution} must be a multiple of 16")
     g = cfg.engine
     if g.kind == "local" and (g.actor_workers > 1 or g.rollout_workers > 1 or not g.hybrid or g.schedule != "sync"):
         e.append("engine.kind=local runs one colocated worker with schedule=sync; set engine.kind=ray for more "
                  "workers, hybrid=false or schedule=async")
-    elif g.hybrid and g.schedule == "async":
-        e.append("engine.schedule=async needs engine.hybrid=false (a colocated rollout cannot generate while its "
-                 "device trains)")
+    elif g.hybrid and g.schedule != "sync":
+        e.append(f"engine.schedule={g.schedule} needs engine.hybrid=false (a colocated rollout cannot generate while "
+                 "its device trains)")
     elif g.hybrid and g.actor_workers != g.rollout_workers:
         e.append(f"engine.hybrid=true colocates one actor and one rollout per device: actor_workers "
                  f"({g.actor_workers}) must equal rollout_workers ({g.rollout_workers})")
+    if g.schedule == "stream" and g.weight_sync == "broadcast":
+        e.append("engine.schedule=stream stages weights through the object store; set engine.weight_sync=auto or object_store")
     if d.prompts_per_step % g.rollout_workers:
         e.append(f"data.prompts_per_step={d.prompts_per_step} must be divisible by engine.rollout_workers "
                  f"({g.rollout_workers}): each rollout worker generates whole groups")

@@ -149,6 +149,10 @@ class Trainer:
         self._last_error = ""  # the latest reward error text, for the message that stops the run
         self._no_reward_steps = 0  # consecutive steps in which no sample got a valid reward
         self._stop_signal: int | None = None  # SIGINT/SIGTERM received: stop at the next step boundary
+        if cfg.engine.schedule == "stream":  # rollouts pull groups from one prompt stream (gerl/engine/stream.py)
+            stream_state = state.get("stream") if prep.resume_from is not None else None
+            self.sampler_after[(stream_state or {}).get("first_draw", 1) - 1] = self.sampler.state_dict()
+            self.engine.open_stream(self.next_prompts, stream_state)
         existed = self.run_dir.exists()
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -248,6 +252,8 @@ class Trainer:
         else:
             adv = compute_advantages(cfg.advantage, batch.rewards, batch.group_ids, cfg.adv_clip_max,
                                      unbiased=self.cfg.conventions.group_std == "unbiased")
+        if batch.adv_scale is not None:  # streaming: stale groups kept with a smaller weight
+            adv = adv * batch.adv_scale
         return -adv if cfg.flip_advantage else adv
 
     @torch.no_grad()
@@ -274,8 +280,11 @@ class Trainer:
         return m
 
     def checkpoint(self, step: int) -> None:
-        extra = {"sampler": self.sampler_after[step], "tracker": self.tracker.state_dict() if self.tracker else None,
+        extra = {"sampler": self.sampler_after.get(step), "tracker": self.tracker.state_dict() if self.tracker else None,
                  "counters": self.counters}
+        if self.cfg.engine.schedule == "stream":  # a resumed stream restarts at its first unfinished draw
+            stream = self.engine.stream.state_dict()
+            extra.update(sampler=self.sampler_after[stream["first_draw"] - 1], stream=stream)
         self.engine.save(self.run_dir, step, extra, self.cfg.checkpoint.keep_last)
 
     # ------------------------------------------------------------------ the loop
@@ -319,6 +328,7 @@ class Trainer:
 
             progress = tqdm(total=cfg.max_steps, initial=self.start_step, desc="train", file=sys.stderr, dynamic_ncols=True)
         ahead = cfg.engine.max_staleness if cfg.engine.schedule == "async" else 0
+        stream = cfg.engine.schedule == "stream"  # the engine keeps its rollouts busy from one prompt stream
         pending: deque = deque()  # (step, handle) of generations issued but not yet trained on
         next_gen = self.start_step + 1
         handlers = self._install_signal_handlers()
@@ -331,10 +341,10 @@ class Trainer:
             self._step_clock = time.perf_counter()  # step_s runs from the end of the previous step (see run_step)
             for step in range(self.start_step + 1, cfg.max_steps + 1):
                 # Keep `ahead` batches generating beyond the one trained now (none for the sync schedule).
-                while next_gen <= min(step + ahead, cfg.max_steps):
+                while not stream and next_gen <= min(step + ahead, cfg.max_steps):
                     pending.append((next_gen, self.engine.submit(next_gen, *self.next_prompts(next_gen))))
                     next_gen += 1
-                gen_step, handle = pending.popleft()
+                gen_step, handle = pending.popleft() if not stream else (step, {"stream": step})
                 assert gen_step == step
                 metrics = self.run_step(step, handle)
                 if progress is not None:

@@ -189,3 +189,15 @@ def test_unknown_keys_type_errors_and_range_errors_are_reported_together():
     msg = str(e.value)
     for part in ("unknown key 'train.lr'", "max_steps: expected an integer", "seed=-1", "checkpoint.every=-3"):
         assert part in msg, msg
+
+
+def test_stream_schedule_checks():
+    base = ["engine.kind=ray", "engine.schedule=stream"]
+    with pytest.raises(UserError, match="engine.schedule=stream needs engine.hybrid=false"):
+        load_config(None, base)
+    with pytest.raises(UserError, match="stages weights through the object store"):
+        load_config(None, [*base, "engine.hybrid=false", "engine.weight_sync=broadcast"])
+    with pytest.raises(UserError, match="engine.stale_decay=0"):
+        load_config(None, [*base, "engine.hybrid=false", "engine.stale_decay=0"])
+    cfg = load_config(None, [*base, "engine.hybrid=false", "engine.stale=downweight"])
+    assert cfg.engine.schedule == "stream" and cfg.engine.stale == "downweight"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from gerl.algo.policy_loss import get_policy_loss
+
 KL_STDS = ("transition", "noise_coef")
 
 
@@ -30,6 +32,8 @@ def grpo_loss(
     ref_mean: torch.Tensor | None = None,
     std: torch.Tensor | None = None,
     ratio_cap: float = 0.0,
+    policy: str = "ppo_clip",
+    is_cap: float = 2.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate loss for one micro-batch of denoising transitions.
 
@@ -41,15 +45,14 @@ def grpo_loss(
         beta: KL weight; when > 0, `mean`, `ref_mean` (B, C, h, w) and `std` (B, 1, 1, 1) are needed: see
             `kl_penalty` (the caller picks which std the convention divides by).
         ratio_cap: if > 0, the ratio is truncated at this value before clipping (stale batches).
+        policy, is_cap: the policy term from gerl/algo/policy_loss.py (ppo_clip, tis, topr, cispo) and tis's cap.
     Returns:
         (scalar loss, detached stats: policy_loss, kl, ratio, clipfrac, approx_kl)
     """
     ratio = torch.exp(log_prob - old_log_prob)
-    if ratio_cap > 0:  # truncated importance weight for stale (off-policy) batches
-        ratio = torch.clamp(ratio, max=ratio_cap)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
-    policy_loss = torch.maximum(unclipped, clipped).mean()
+    per_sample, was_clipped = get_policy_loss(policy)(log_prob, old_log_prob, advantages, clip_range=clip_range,
+                                                      ratio_cap=ratio_cap, is_cap=is_cap)
+    policy_loss = per_sample.mean()
     loss = policy_loss
     kl = torch.zeros((), device=log_prob.device)
     if beta > 0:
@@ -59,7 +62,7 @@ def grpo_loss(
         "policy_loss": policy_loss.detach(),
         "kl": kl.detach(),
         "ratio_mean": ratio.detach().mean(),
-        "clipfrac": ((ratio.detach() - 1.0).abs() > clip_range).float().mean(),
+        "clipfrac": was_clipped.float().mean(),
         "approx_kl": (0.5 * (log_prob - old_log_prob).detach() ** 2).mean(),
     }
     return loss, stats

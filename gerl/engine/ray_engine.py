@@ -92,12 +92,22 @@ class Host:
     def validate(self, prompts, metadata, weights=None):
         if weights is None:
             return self.rollout.validate(prompts, metadata)
-        current = self.rollout.weights()
+        # clone: on CPU in fp32, weights() hands back the live parameters, which the EMA load would overwrite
+        current = {n: t.clone() for n, t in self.rollout.weights().items()}
         self.rollout.load_weights(weights, self.rollout.version)
         try:
             return self.rollout.validate(prompts, metadata)
         finally:
             self.rollout.load_weights(current, self.rollout.version)
+
+    def start(self, prompts, metadata, group_ids, step, offset):
+        return self.rollout.start(prompts, metadata, group_ids, step, offset)
+
+    def finish(self, key):
+        return self.rollout.finish(key)
+
+    def stage_weights(self, state, version) -> float:
+        return self.rollout.stage_weights(state, version)
 
     def load_weights(self, state, version) -> float:
         t0 = time.perf_counter()
@@ -135,6 +145,9 @@ class Host:
 
     def actor_version(self) -> int:
         return self.actor.version
+
+    def older_versions(self):
+        return self.actor.older_versions()
 
     def save(self, run_dir, step, extra, keep_last):
         self.actor.save(run_dir, step, extra, keep_last)
@@ -241,14 +254,19 @@ class RayEngine:
         self.devices = hosts
         self.actor_devices, self.rollout_devices = n_actor, (n_actor if g.hybrid else n_roll)
         lora = cfg.model.lora
-        self.sync_mode = g.weight_sync if g.weight_sync != "auto" else ("object_store" if lora else "broadcast")
+        self.sync_mode = g.weight_sync if g.weight_sync != "auto" else (
+            "object_store" if lora or g.schedule == "stream" else "broadcast")
         broadcast = not g.hybrid and self.sync_mode == "broadcast"
         # One process group: actor ranks 0..N-1 (data parallel), plus the rollouts when weights are broadcast.
         world = n_actor + n_roll if broadcast else n_actor
         sync_ranks = [0] + list(range(n_actor, n_actor + n_roll)) if broadcast else None
         c = g.cpus_per_worker
         self._opts = {"num_gpus": 1} if self.use_gpu else {"num_cpus": c}
-        self._host_cls = ray.remote(Host)
+        # stream: a host generates (default group, one call at a time) while other threads wait for the rewards
+        # of its earlier groups and stage new weights into the second buffer.
+        groups = {"concurrency_groups": {"weights": 1, "rewards": 64}} if g.schedule == "stream" else {}
+        self._host_cls = ray.remote(**groups)(Host) if groups else ray.remote(Host)
+        self.stream = None
         self._spec: dict[int, tuple] = {}
 
         def spawn(i, roles, rank, world_size):
@@ -273,6 +291,7 @@ class RayEngine:
         self.restarts = 0
         self._version = 0
         self._pending_loads: list = []
+        self._replay: dict[int, dict] = {}  # after an async resume: older versions' weights for re-issued steps
         self.sync()  # rollouts start from the actor's exact weights
 
     def _check_resources(self, hosts: int) -> None:
@@ -301,10 +320,30 @@ class RayEngine:
 
     def submit(self, step, prompts, metadata, group_ids):
         shards = self._shards(prompts, metadata, group_ids)
+        # An uninterrupted async run generates step t with version max(0, t − k − 1) (see Trainer.fit); after a
+        # resume the steps that were in flight get that very version back, then the rollouts return to the current.
+        v = max(0, step - self.cfg.engine.max_staleness - 1)
+        old = self._replay.get(v)  # a host runs its calls in order: load old → generate → load current
+        if old is not None:
+            old_ref = self.ray.put(old)
+            for h in self.rollouts:
+                h.load_weights.remote(old_ref, v)
         refs = [h.generate.remote(*s[:3], step, s[3]) for h, s in zip(self.rollouts, shards)]
+        if old is not None:
+            current = self.actors[0].actor_weights.remote()
+            self._pending_loads = [h.load_weights.remote(current, self._version) for h in self.rollouts]
         return {"step": step, "shards": shards, "refs": refs, "hosts": list(self.rollouts)}
 
+    def open_stream(self, draw, state: dict | None = None) -> None:
+        """schedule=stream: rollouts pull groups from draw(1), draw(2), … (gerl/engine/stream.py)."""
+        from gerl.engine.stream import GroupStream
+
+        s = state or {}
+        self.stream = GroupStream(self, draw, s.get("first_draw", 1), s.get("consumed", []), s.get("dropped_total", 0))
+
     def collect(self, handle):
+        if "stream" in handle:
+            return self.stream.take(self._version)
         ray = self.ray
         out = []
         for j, ref in enumerate(handle["refs"]):
@@ -368,7 +407,12 @@ class RayEngine:
         if self.hybrid:
             return 0.0
         t0 = time.perf_counter()
-        if self.sync_mode == "object_store":
+        if self.stream is not None:  # staged while generating; loaded between micro-batches (RolloutRole)
+            weights = self.actors[0].actor_weights.remote()
+            self.ray.wait([weights])
+            self._pending_loads = [h.stage_weights.options(concurrency_group="weights").remote(weights, self._version)
+                                   for h in self.rollouts]
+        elif self.sync_mode == "object_store":
             weights = self.actors[0].actor_weights.remote()
             self.ray.wait([weights])
             self._pending_loads = [h.load_weights.remote(weights, self._version) for h in self.rollouts]
@@ -395,6 +439,8 @@ class RayEngine:
     def load(self, path) -> dict:
         states = self.ray.get([h.load.remote(str(path)) for h in self.actors])
         self._version = states[0]["policy_version"]
+        if self.cfg.engine.schedule == "async":
+            self._replay = self.ray.get(self.actors[0].older_versions.remote())
         self.sync()
         return states[0]
 

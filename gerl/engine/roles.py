@@ -7,12 +7,15 @@ submitted right where the images are decoded. ActorRole = ActorWorker (the updat
 
 from __future__ import annotations
 
+import itertools
 import os
+import threading
 import time
+from collections import deque
 
 import torch
 
-from gerl.checkpoint import load_checkpoint, save_checkpoint
+from gerl.checkpoint import load_checkpoint, load_inflight_weights, save_checkpoint
 from gerl.config import Config, reward_components, trained_steps_per_sample, derived_sizes
 from gerl.models.loader import TextEmbedder, add_lora, load_lora_into_pipeline, load_pipeline
 from gerl.workers.actor import ActorWorker
@@ -64,6 +67,11 @@ class RolloutRole:
         r = cfg.reward
         self.rewards = RewardSet(comps, fns, r.timeout_s, r.retries, r.retry_backoff_s)
         self.names = trainable_names(self.pipe.transformer, cfg.model.lora)
+        self._lock = threading.Lock()
+        self._staged: tuple[int, list] | None = None  # (version, buckets of (param, new tensor) not yet loaded)
+        self._load_s = 0.0  # seconds spent loading staged weights since the last generate returned
+        self._started: dict[int, tuple] = {}  # key → (batch with reward futures, start time) awaiting finish()
+        self._keys = itertools.count()
 
     def pid(self) -> int:
         return os.getpid()
@@ -76,9 +84,25 @@ class RolloutRole:
         """One shard of a step: generate, submit each micro-batch's reward as it is decoded, gather at the end.
 
         Returns (RolloutBatch with futures removed, RewardResult)."""
+        return self.finish(self.start(prompts, metadata, group_ids, step, index_offset))
+
+    def start(self, prompts, metadata, group_ids, step: int, index_offset: int = 0) -> int:
+        """Generate and submit the rewards; returns a key for `finish` (the streaming schedule calls the two
+        from different threads, so the next group generates while this one is scored)."""
         t0 = time.time()
         submit = self.rewards.submit if self.cfg.reward.with_reward else None
-        batch = self.worker.generate(prompts, metadata, group_ids, step, submit=submit, index_offset=index_offset)
+        batch = self.worker.generate(prompts, metadata, group_ids, step, submit=submit, index_offset=index_offset,
+                                     between=self._load_staged)
+        with self._lock:
+            batch.timings["weight_load_s"], self._load_s = self._load_s, 0.0
+            key = next(self._keys)
+            self._started[key] = (batch, t0)
+        return key
+
+    def finish(self, key: int):
+        """Wait for `start(...)`'s rewards. Returns (RolloutBatch with futures removed, RewardResult)."""
+        with self._lock:
+            batch, t0 = self._started.pop(key)
         t1 = time.time()
         if batch.reward_futures:
             res = self.rewards.gather([f for _, f in batch.reward_futures])
@@ -96,6 +120,41 @@ class RolloutRole:
         images = self.worker.sample_images(prompts, cfg.validation.seed, cfg.sampling.eval_num_steps,
                                            cfg.sampling.eval_guidance_scale)
         return images, self.rewards.score_now(images, prompts, metadata, cfg.sampling.micro_batch_size)
+
+    @torch.no_grad()
+    def stage_weights(self, state: dict[str, torch.Tensor], version: int) -> float:
+        """Copy the actor's tensors into a second buffer (on this device, in the model dtype) while generation
+        goes on; `_load_staged` swaps them in between micro-batches. Returns the staging seconds."""
+        t0 = time.perf_counter()
+        params = dict(self.pipe.transformer.named_parameters())
+        limit = max(1, self.cfg.engine.sync_bucket_mb * 2**20)
+        buckets, size = [[]], 0
+        for n, t in state.items():
+            p = params[n]
+            if size and size + t.numel() * p.element_size() > limit:
+                buckets.append([])
+                size = 0
+            buckets[-1].append((p, t.to(p.device, p.dtype, copy=True)))
+            size += t.numel() * p.element_size()
+        with self._lock:
+            self._staged = (version, buckets)  # a newer version replaces one not yet (fully) loaded
+        return time.perf_counter() - t0
+
+    @torch.no_grad()
+    def _load_staged(self) -> None:
+        """Between micro-batches: load one bucket of staged weights (a LoRA adapter is one bucket; full weights go
+        bucket by bucket, one per micro-batch boundary). The version changes when the last bucket is in."""
+        with self._lock:
+            if self._staged is None:
+                return
+            version, buckets = self._staged
+            t0 = time.perf_counter()
+            for p, t in buckets.pop(0):
+                p.copy_(t)
+            if not buckets:
+                self._staged = None
+                self.worker.policy_version = version
+            self._load_s += time.perf_counter() - t0
 
     @torch.no_grad()
     def load_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
@@ -125,6 +184,15 @@ class ActorRole:
         self.worker = ActorWorker(self.pipe.transformer, cfg.train, cfg.model, cfg.sampling, cfg.max_steps,
                                   sizes["images_per_step"], cfg.seed, world=world, grad_sync=grad_sync,
                                   ratio_cap=cfg.engine.ratio_cap, conventions=cfg.conventions)
+        # async: the weights of the last max_staleness versions, which generations still in flight were issued
+        # with — a checkpoint keeps them so that a resumed run re-issues those generations bit-exactly.
+        self.history = deque(maxlen=cfg.engine.max_staleness + 1) if cfg.engine.schedule == "async" else None
+        self._remember()
+
+    def _remember(self) -> None:
+        if self.history is not None:
+            # clone: on CPU in fp32, weights() hands back the live parameters themselves
+            self.history.append((self.version, {n: t.clone() for n, t in self.weights().items()}))
 
     def pid(self) -> int:
         return os.getpid()
@@ -134,17 +202,29 @@ class ActorRole:
         return self.worker.version
 
     def update(self, batch, advantages, step: int) -> dict:
-        return self.worker.update(batch, advantages, step)
+        m = self.worker.update(batch, advantages, step)
+        self._remember()
+        return m
+
+    def older_versions(self) -> dict[int, dict[str, torch.Tensor]]:
+        """{version: weights} of the remembered versions older than the current one."""
+        return {v: w for v, w in (self.history or []) if v < self.version}
 
     def weights(self) -> dict[str, torch.Tensor]:
         return self.worker.trainable_state()
 
     def save(self, run_dir, step: int, extra_state: dict, keep_last: int) -> None:
         if self.rank == 0:
-            save_checkpoint(run_dir, step, self.worker, extra_state, keep_last)
+            inflight = {f"v{v}/{n}": t for v, w in self.older_versions().items() for n, t in w.items()}
+            save_checkpoint(run_dir, step, self.worker, extra_state, keep_last, inflight)
 
     def load(self, path) -> dict:
-        return load_checkpoint(path, self.worker)
+        state = load_checkpoint(path, self.worker)
+        if self.history is not None:
+            self.history.clear()
+            self.history.extend(sorted(load_inflight_weights(path).items()))
+            self._remember()
+        return state
 
     def ema_swapped(self):
         return self.worker.ema.swapped() if self.worker.ema is not None else None

@@ -64,18 +64,26 @@ class Trajectory:
     latents: torch.Tensor  # (B, K, C, h, w) fp32 x_t before each recorded step
     next_latents: torch.Tensor  # (B, K, C, h, w) fp32 x_{t+1} that the step produced
     log_probs: torch.Tensor  # (B, K) fp32 rollout log-probs
-    step_indices: torch.Tensor  # (K,) long, index into the schedule
+    step_indices: torch.Tensor  # (K,) long, index into the schedule; (B, K) when samples differ (streaming mixes SDE windows)
     final_latents: torch.Tensor  # (B, C, h, w) fp32, the clean latents that were decoded
+
+    def steps_of(self, idx: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """Schedule indices of recorded step k[i] of sample idx[i]."""
+        return self.step_indices[idx, k] if self.step_indices.ndim == 2 else self.step_indices[k]
 
     @staticmethod
     def cat(items: list["Trajectory"]) -> "Trajectory":
-        if any(not torch.equal(t.step_indices, items[0].step_indices) for t in items):
-            raise ValueError("trajectories of one batch must share their recorded steps")
+        if any(t.log_probs.shape[1] != items[0].log_probs.shape[1] for t in items):
+            raise ValueError("trajectories of one batch must record the same number of steps")
+        if all(t.step_indices.ndim == 1 and torch.equal(t.step_indices, items[0].step_indices) for t in items):
+            steps = items[0].step_indices
+        else:  # per-sample windows
+            steps = torch.cat([t.step_indices.expand(len(t.log_probs), -1) for t in items])
         return Trajectory(
             torch.cat([t.latents for t in items]),
             torch.cat([t.next_latents for t in items]),
             torch.cat([t.log_probs for t in items]),
-            items[0].step_indices,
+            steps,
             torch.cat([t.final_latents for t in items]),
         )
 

@@ -98,7 +98,7 @@ class ActorWorker:
         t = batch.traj
         device = next(transformer.parameters()).device
         return replay_log_prob(
-            transformer, t.latents[idx, k].to(device), t.next_latents[idx, k].to(device), t.step_indices[k],
+            transformer, t.latents[idx, k].to(device), t.next_latents[idx, k].to(device), t.steps_of(idx, k),
             batch.embeds.index(idx), batch.schedule, self.sampling.sampler, self.sampling.noise_level,
             self.sampling.guidance_scale,
         )
@@ -166,7 +166,8 @@ class ActorWorker:
                         old_lp = log_prob_as(conv, old[idx, k].to(device), out.std)  # same σ, same std
                         kl_std = out.std if self.conventions.kl_std == "transition" else out.noise_coef
                         loss, stats = grpo_loss(lp, old_lp, advantages[idx].to(device),
-                                                cfg.clip_range, cfg.beta, out.mean, ref_mean, kl_std, self.ratio_cap)
+                                                cfg.clip_range, cfg.beta, out.mean, ref_mean, kl_std, self.ratio_cap,
+                                                cfg.loss, cfg.is_cap)
                         if not torch.isfinite(loss):
                             finite = False
                             continue

@@ -25,6 +25,7 @@ class RolloutBatch:
     reward_extras: dict[str, list] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)  # seconds per rollout stage
     spans: list[dict] = field(default_factory=list)  # {"name", "start", "end"} wall-clock spans of the rollout's stages
+    adv_scale: torch.Tensor | None = None  # (B,) multiplies the advantages (streaming: down-weighted stale groups)
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -38,10 +39,12 @@ def subset(batch: RolloutBatch, keep: torch.Tensor) -> RolloutBatch:
     return RolloutBatch(
         prompts=pick(batch.prompts), metadata=pick(batch.metadata), group_ids=batch.group_ids[idx],
         embeds=batch.embeds.index(idx), schedule=batch.schedule,
-        traj=Trajectory(t.latents[idx], t.next_latents[idx], t.log_probs[idx], t.step_indices, t.final_latents[idx]),
+        traj=Trajectory(t.latents[idx], t.next_latents[idx], t.log_probs[idx],
+                        t.step_indices[idx] if t.step_indices.ndim == 2 else t.step_indices, t.final_latents[idx]),
         images=pick(batch.images), policy_version=batch.policy_version,
         rewards=None if batch.rewards is None else batch.rewards[idx],
         reward_extras={k: pick(v) for k, v in batch.reward_extras.items()}, timings=batch.timings,
+        adv_scale=None if batch.adv_scale is None else batch.adv_scale[idx],
     )
 
 

@@ -51,19 +51,24 @@ class RolloutWorker:
         return self.pipe.transformer.device
 
     def generate(self, prompts: list[str], metadata: list[dict], group_ids: torch.Tensor, step: int,
-                 submit=None, index_offset: int = 0) -> RolloutBatch:
+                 submit=None, index_offset: int = 0, between=None) -> RolloutBatch:
         """Sample one step's batch. `submit(images, prompts, metadata) -> Future` is called per decoded micro-batch
         (reward futures); when None, rewards are left to the caller. `index_offset` is this shard's first sample
-        index in the whole step, so noise seeds (and images) do not depend on how the step is sharded."""
+        index in the whole step, so noise seeds (and images) do not depend on how the step is sharded.
+        `between()` runs before each micro-batch (staged weights are loaded there, never mid micro-batch); the
+        batch's policy_version is the oldest version any of its micro-batches was generated with."""
         cfg, sched = self.cfg, self.train_schedule
         window_rng = torch.Generator().manual_seed(sample_seed(self.seed, step, -1))
         sde_steps = sde_window(sched.num_steps, cfg.sde_window_size, tuple(cfg.sde_window_range), window_rng)
         guided = cfg.guidance_scale > 1.0
-        trajs, images, futures, embeds_all, spans = [], [], [], [], []
+        trajs, images, futures, embeds_all, spans, versions = [], [], [], [], [], []
         t_gen = t_dec = 0.0
         self.pipe.transformer.eval()
         for start in range(0, len(prompts), cfg.micro_batch_size):
             sl = slice(start, start + cfg.micro_batch_size)
+            if between is not None:
+                between()
+            versions.append(self.policy_version)
             t0 = time.perf_counter()
             embeds = self.embedder(prompts[sl], with_negative=guided)
             seeds = [sample_seed(self.seed, step, index_offset + i) for i in range(sl.start, min(sl.stop, len(prompts)))]
@@ -87,7 +92,7 @@ class RolloutWorker:
             embeds_all.append(embeds)
         return RolloutBatch(
             prompts=list(prompts), metadata=list(metadata), group_ids=group_ids, embeds=Embeds.cat(embeds_all),
-            schedule=sched, traj=Trajectory.cat(trajs), images=images, policy_version=self.policy_version,
+            schedule=sched, traj=Trajectory.cat(trajs), images=images, policy_version=min(versions, default=self.policy_version),
             reward_futures=futures, timings={"generate_s": t_gen, "decode_s": t_dec}, spans=spans,
         )
 

@@ -212,3 +212,29 @@ def test_actor_first_update_sees_ratio_one(make_rollout, lora_transformer, sampl
     assert int(actor.optimizer.state[actor.params[0]]["step"]) == 2, "one optimizer step per inner epoch"
     assert actor.version == 1, "the policy version counts update calls"
     assert metrics["trained_steps_per_sample"] == (NUM_STEPS - 1 if fraction == 1 else 2)
+
+
+def test_groups_with_different_windows_train_together(make_rollout, lora_transformer):
+    # Streaming merges groups from different draws, whose Flow-GRPO-Fast windows differ: step_indices become
+    # per-sample (B, K) and the actor must still replay every sample at its own steps (ratio one at first).
+    from gerl.workers.batch import merge, subset
+
+    tr = lora_transformer(randomize=True)
+    cfg = SamplingConfig(sampler="cps", num_steps=8, noise_level=NOISE_LEVEL, sde_window_size=2,
+                         sde_window_range=[0, 7], micro_batch_size=2)
+    rollout = make_rollout(cfg, tr)
+    calls = []
+    parts = [rollout.generate(PROMPTS[:2], [{}] * 2, GROUPS[:2], step=s, between=lambda: calls.append(1))
+             for s in range(1, 6)]
+    assert len(calls) == 5, "the between-micro-batch hook runs before every micro-batch"
+    a, b = next((p, q) for p in parts for q in parts if not torch.equal(p.traj.step_indices, q.traj.step_indices))
+    batch = merge([a, b])
+    assert batch.traj.step_indices.shape == (4, 2)
+    assert torch.equal(subset(batch, torch.tensor([False, False, True, True])).traj.step_indices[0], b.traj.step_indices)
+    batch.group_ids = torch.tensor([0, 0, 1, 1])
+    batch.rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    train = TrainConfig(micro_batch_size=2, learning_rate=1e-3, recompute_old_log_probs=True)
+    actor = ActorWorker(tr, train, ModelConfig(lora=True), cfg, max_steps=1, images_per_step=4, seed=0)
+    metrics = actor.update(batch, torch.tensor([1.0, -1.0, -1.0, 1.0]), step=1)
+    assert metrics["old_log_prob_recompute_max_dev"] <= 1e-5
+    assert metrics["ratio_max_dev_before_update"] <= 1e-5
