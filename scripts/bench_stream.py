@@ -31,7 +31,7 @@ class _Budget(Exception):
 
 def run(mode: str, args, root: Path) -> list[dict]:
     reward = {"seconds": args.min_s, "distribution": "pareto", "alpha": args.alpha, "max_seconds": args.max_s,
-              "base": args.base, "seed": 0}
+              "base": args.base, "base_kwargs": json.loads(args.base_kwargs), "seed": 0}
     cfg = load_config(args.config, [
         f"output_dir={root / mode}", "max_steps=100000", "reward.name=delayed", f"reward.kwargs={json.dumps(reward)}",
         f"reward.workers={args.reward_workers}", "log.tensorboard=false", "log.progress_bar=false",
@@ -62,6 +62,7 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=90.0, help="seconds of training per mode")
     ap.add_argument("--config", default="recipes/tiny_cpu.yaml")
     ap.add_argument("--base", default="jpeg_compressibility", help="the reward behind the delay")
+    ap.add_argument("--base-kwargs", default="{}", help='JSON kwargs of the base reward, e.g. \'{"rec_only": true}\' for ocr')
     ap.add_argument("--k", type=int, default=2, help="engine.max_staleness for both modes")
     ap.add_argument("--min-s", type=float, default=0.2, help="minimum (typical) reward latency per call, s")
     ap.add_argument("--alpha", type=float, default=1.2, help="Pareto tail index (smaller = heavier tail)")
