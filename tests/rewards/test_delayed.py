@@ -2,6 +2,7 @@
 
 import pytest
 
+from gerl.errors import UserError
 from rewards.registry import build_reward
 
 
@@ -21,7 +22,8 @@ def test_pareto_latency_has_the_promised_heavy_tail():
 
 
 def test_bad_arguments_are_refused():
-    with pytest.raises(ValueError, match="alpha=1.0 must be > 1"):
+    # the registry turns a factory's ValueError into a one-line UserError naming the reward
+    with pytest.raises(UserError, match="'delayed' raised ValueError: delayed: alpha=1.0 must be > 1"):
         build_reward("delayed", {"distribution": "pareto", "alpha": 1.0})
-    with pytest.raises(ValueError, match="not one of fixed, pareto"):
+    with pytest.raises(UserError, match="not one of fixed, pareto"):
         build_reward("delayed", {"distribution": "lognormal"})
