@@ -22,6 +22,7 @@ import argparse
 import json
 import math
 import random
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -256,8 +257,6 @@ def main(argv=None) -> int:
     out = Path(args.out)
     tmp = out.with_name(out.name + ".tmp")
     if tmp.exists():
-        import shutil
-
         shutil.rmtree(tmp)
     pipe.save_pretrained(str(tmp), safe_serialization=True)
     card = {"seconds": round(time.perf_counter() - t_start, 1), "args": vars(args), "torch": torch.__version__,
@@ -270,8 +269,6 @@ def main(argv=None) -> int:
     (tmp / "pretrain.json").write_text(json.dumps(card, indent=1) + "\n")
     write_model_card(tmp, card)
     if out.exists():
-        import shutil
-
         shutil.rmtree(out)
     tmp.replace(out)
     if args.write_prompts:

@@ -2,7 +2,6 @@
 pausing generation, a killed rollout worker replaced, resume, hybrid placement, and mis-placement errors."""
 
 import json
-import os
 
 import pytest
 
@@ -16,12 +15,7 @@ DECOUPLED = ["engine.kind=ray", "engine.hybrid=false", "engine.device=cpu", "eng
              "engine.schedule=async", "engine.max_staleness=1"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+pytestmark = pytest.mark.usefixtures("ray_cluster")  # tests/engine/conftest.py
 
 
 def _rows(run_dir):

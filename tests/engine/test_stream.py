@@ -3,7 +3,6 @@ uninterrupted run bit for bit (the generations in flight are re-issued with thei
 streaming schedule (groups pulled from one prompt stream, trained in completion order, staleness bounded)."""
 
 import json
-import os
 
 import pytest
 import torch
@@ -18,12 +17,7 @@ from tests.train.helpers import small_config  # noqa: E402
 DECOUPLED = ["engine.kind=ray", "engine.hybrid=false", "engine.device=cpu", "engine.cpus_per_worker=1"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+pytestmark = pytest.mark.usefixtures("ray_cluster")  # tests/engine/conftest.py
 
 
 def _run(out, *overrides):
