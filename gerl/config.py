@@ -60,6 +60,7 @@ class SamplingConfig:
     sde_window_range: list[int] = field(default_factory=lambda: [0, 5])  # [lo, hi): the window lies inside these step indices
     timestep_fraction: float = 1.0  # fraction of the recorded steps trained per sample (random subset; Flow-GRPO uses 0.99)
     micro_batch_size: int = 8  # images denoised together; each decoded micro-batch's reward is submitted at once
+    init_same_noise: bool = False  # a group's images start from one initial noise (DanceGRPO's init_same_noise): only the SDE window's noise differs
 
 
 @dataclass

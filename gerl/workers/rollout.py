@@ -26,6 +26,20 @@ def latent_noise(seeds: list[int], shape: tuple[int, ...]) -> tuple[torch.Tensor
     return noise, gens
 
 
+def group_latent_noise(seeds: list[int], group_seeds: list[int], shape: tuple[int, ...]
+                       ) -> tuple[torch.Tensor, list[torch.Generator]]:
+    """`init_same_noise`: sample i starts from the initial noise of its group's seed (shared by the whole group),
+    and its SDE noise comes from its own seed, so the images of a group differ only by the SDE window's noise."""
+    noise = torch.stack([torch.randn(shape, generator=torch.Generator("cpu").manual_seed(g), dtype=torch.float32)
+                         for g in group_seeds])
+    return noise, [torch.Generator("cpu").manual_seed(s) for s in seeds]
+
+
+def group_seed(seed: int, step: int, group_id: int) -> int:
+    """The initial-noise seed of group `group_id` of step `step` (group ids are unique within a step)."""
+    return sample_seed(seed, step, -2 - group_id)
+
+
 @torch.no_grad()
 def decode(vae, latents: torch.Tensor) -> list[Image.Image]:
     """SD3 latents (B, 16, h, w) → PIL images."""
@@ -72,7 +86,11 @@ class RolloutWorker:
             t0 = time.perf_counter()
             embeds = self.embedder(prompts[sl], with_negative=guided)
             seeds = [sample_seed(self.seed, step, index_offset + i) for i in range(sl.start, min(sl.stop, len(prompts)))]
-            noise, gens = latent_noise(seeds, self.latent_shape)
+            if cfg.init_same_noise:
+                gids = group_ids[sl].tolist()
+                noise, gens = group_latent_noise(seeds, [group_seed(self.seed, step, g) for g in gids], self.latent_shape)
+            else:
+                noise, gens = latent_noise(seeds, self.latent_shape)
             traj = denoise(self.pipe.transformer, embeds, noise.to(self.device), sched, sde_steps, cfg.sampler,
                            cfg.noise_level, cfg.guidance_scale, gens)
             if traj.final_latents.is_cuda:

@@ -24,9 +24,12 @@ def _pretrain_module():
     return mod
 
 
-def _short_run(mod, out: Path, seed: int = 0) -> dict[str, torch.Tensor]:
+_POOLED_W = "time_text_embed.text_embedder.linear_2.weight"
+
+
+def _short_run(mod, out: Path, seed: int = 0, extra=()) -> dict[str, torch.Tensor]:
     args = ["--out", str(out), "--steps", "3", "--vae-steps", "2", "--variants", "1", "--batch", "4",
-            "--eval-steps", "0", "--seed", str(seed)]
+            "--eval-steps", "0", "--seed", str(seed), *extra]
     assert mod.main(args) == 0
     return load_file(str(out / "transformer" / "diffusion_pytorch_model.safetensors"))
 
@@ -49,6 +52,12 @@ def test_pretraining_is_seeded_and_writes_a_stock_pipeline(tmp_path):
     assert image.size == (64, 64)
     # the VAE's latent normalisation was fitted to the data, not left at the SD3 defaults
     assert pipe.vae.config.scaling_factor != 1.5305 and pipe.vae.config.shift_factor != 0.0609
+    # --pooled zero (default): the pooled-text projection stays exactly zero through training, so the transformer's
+    # output cannot depend on the pooled vector (a hash of the whole prompt) and must read the digits' tokens
+    proj = pipe.transformer.time_text_embed.text_embedder.linear_2
+    assert not proj.weight.any() and not proj.bias.any()
+    used = _short_run(mod, tmp_path / "d", extra=["--pooled", "use"])
+    assert used[_POOLED_W].any(), "--pooled use must train the pooled projection"
 
 
 def test_rendered_data_is_seeded_and_holds_ink():
@@ -72,6 +81,7 @@ def test_shipped_model_loads_by_name_and_recipe_holds_out_its_test_targets():
     assert pipe.transformer.config.num_layers == 4 and pipe.transformer.config.sample_size == 16
     card = json.loads((SHIPPED_MODELS["ocr-mini"] / "pretrain.json").read_text())
     assert 0.0 < card["ocr_held_out"]["mean"] < 1.0  # the base model is imperfect: room for RL to improve
+    assert card["args"]["pooled"] == "zero" and not pipe.transformer.time_text_embed.text_embedder.linear_2.weight.any()
     cfg = load_config(str(REPO / "recipes" / "ocr_mini.yaml"))
     assert cfg.model.path == "ocr-mini"
     targets = lambda f: {extract_target(line) for line in (REPO / f).read_text().splitlines() if line.strip()}  # noqa: E731

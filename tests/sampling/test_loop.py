@@ -238,3 +238,28 @@ def test_groups_with_different_windows_train_together(make_rollout, lora_transfo
     metrics = actor.update(batch, torch.tensor([1.0, -1.0, -1.0, 1.0]), step=1)
     assert metrics["old_log_prob_recompute_max_dev"] <= 1e-5
     assert metrics["ratio_max_dev_before_update"] <= 1e-5
+
+
+@pytest.mark.parametrize("sampler", ["sde", "cps"])
+def test_init_same_noise_shares_the_start_within_a_group_only(make_rollout, sampler):
+    # DanceGRPO's init_same_noise: a group's images start from one noise, so they differ only by the SDE window's
+    # noise; different groups start apart. Window 2 of 5 steps placed at [1, 3): step 0 is ODE and identical.
+    cfg = sampling(sampler, init_same_noise=True, sde_window_size=2, sde_window_range=[1, 3], micro_batch_size=4)
+    batch = make_rollout(cfg).generate(PROMPTS, [{}] * 4, GROUPS, step=1)
+    start = batch.traj.latents[:, 0]  # the window's first state: after step 0's ODE step from the initial noise
+    torch.testing.assert_close(start[0], start[1], rtol=0, atol=0)
+    torch.testing.assert_close(start[2], start[3], rtol=0, atol=0)
+    assert not torch.allclose(start[0], start[2], atol=1e-2)
+    # The window's noise is per sample: the group's images still differ ...
+    assert (batch.traj.final_latents[0] - batch.traj.final_latents[1]).abs().max() > 1e-2
+    assert (batch.traj.final_latents[2] - batch.traj.final_latents[3]).abs().max() > 1e-2
+    # ... and the batch does not depend on the micro-batch split, nor on where a shard starts.
+    one = make_rollout(sampling(sampler, init_same_noise=True, sde_window_size=2, sde_window_range=[1, 3],
+                                micro_batch_size=1)).generate(PROMPTS, [{}] * 4, GROUPS, step=1)
+    torch.testing.assert_close(one.traj.final_latents, batch.traj.final_latents, rtol=0, atol=1e-5)
+    shard = make_rollout(cfg).generate(PROMPTS[2:], [{}] * 2, GROUPS[2:], step=1, index_offset=2)
+    torch.testing.assert_close(shard.traj.final_latents, batch.traj.final_latents[2:], rtol=0, atol=1e-5)
+    # Off (the default), the start differs within a group too.
+    indep = make_rollout(sampling(sampler, sde_window_size=2, sde_window_range=[1, 3])).generate(
+        PROMPTS, [{}] * 4, GROUPS, step=1)
+    assert not torch.allclose(indep.traj.latents[0, 0], indep.traj.latents[1, 0], atol=1e-2)
