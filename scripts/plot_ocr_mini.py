@@ -42,17 +42,24 @@ def plot_curves(runs: list[Path], labels: list[str], out: Path) -> None:
         m, v, _ = validation_curve(run)
         ax.plot(m, v, marker="o", label=label)
     ax.set_xlabel("training wall-clock (minutes, 2 CPU cores)")
-    ax.set_ylabel("validation OCR reward\n(16 held-out numbers × 4)")
+    import yaml
+
+    val = (yaml.safe_load((runs[0] / "config.yaml").read_text()) or {}).get("validation", {})
+    ax.set_ylabel(f"validation OCR reward\n({val.get('num_prompts', '?')} held-out numbers × "
+                  f"{val.get('images_per_prompt', 1)})")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
     fig.savefig(out)
 
 
-def before_after(run: Path, out: Path) -> None:
+def before_after(run: Path, out: Path, after_step: int = 0) -> None:
+    """The first validation grid beside the last one (or the one of `after_step`)."""
     grids = sorted((run / "samples").glob("val_step_*.png"))
+    if after_step:
+        grids = [g for g in grids if int(g.stem.rsplit("_", 1)[1]) <= after_step]
     if len(grids) < 2:
-        raise SystemExit(f"{run}/samples holds fewer than two validation grids")
+        raise SystemExit(f"{run}/samples holds fewer than two validation grids (up to the step asked for)")
     first, last = Image.open(grids[0]).convert("RGB"), Image.open(grids[-1]).convert("RGB")
     font = ImageFont.load_default(size=16)
     pad, title = 12, 26
@@ -71,6 +78,8 @@ def main(argv=None) -> int:
     ap.add_argument("runs", nargs="+", type=Path)
     ap.add_argument("--labels", nargs="*", default=None)
     ap.add_argument("--out", default="docs/img/ocr_mini", help="output prefix")
+    ap.add_argument("--after-step", type=int, default=0, help="the 'after' grid: the last validation at or before "
+                                                                 "this step (0 = the run's last)")
     args = ap.parse_args(argv)
     labels = args.labels or [r.name for r in args.runs]
     if len(labels) != len(args.runs):
@@ -79,7 +88,7 @@ def main(argv=None) -> int:
     prefix = Path(args.out)
     prefix.parent.mkdir(parents=True, exist_ok=True)
     plot_curves(args.runs, labels, prefix.with_name(prefix.name + "_curve.png"))
-    before_after(args.runs[0], prefix.with_name(prefix.name + "_before_after.png"))
+    before_after(args.runs[0], prefix.with_name(prefix.name + "_before_after.png"), args.after_step)
     print(f"wrote {prefix}_curve.png and {prefix}_before_after.png")
     return 0
 
