@@ -13,6 +13,7 @@ import json
 import sys
 from pathlib import Path
 
+import yaml
 from PIL import Image, ImageDraw, ImageFont
 
 
@@ -42,8 +43,6 @@ def plot_curves(runs: list[Path], labels: list[str], out: Path) -> None:
         m, v, _ = validation_curve(run)
         ax.plot(m, v, marker="o", label=label)
     ax.set_xlabel("training wall-clock (minutes, 2 CPU cores)")
-    import yaml
-
     val = (yaml.safe_load((runs[0] / "config.yaml").read_text()) or {}).get("validation", {})
     ax.set_ylabel(f"validation OCR reward\n({val.get('num_prompts', '?')} held-out numbers × "
                   f"{val.get('images_per_prompt', 1)})")

@@ -169,14 +169,15 @@ def ocr_scores(pipe, numbers: list[str], seed: int, num_steps: int) -> dict:
 def write_model_card(out: Path, card: dict) -> None:
     """README.md beside the weights: what the model is, its data, the command that made it, its base OCR scores."""
     a = card["args"]
+    pooled = a.get("pooled", "use")  # cards written before --pooled existed trained the projection
     cmd = (f"python scripts/pretrain_ocr_mini.py --out {a['out']} --steps {a['steps']} --batch {a['batch']} "
            f"--lr {a['lr']} --vae-steps {a['vae_steps']} --variants {a['variants']} --seed {a['seed']} "
-           f"--pooled {a.get('pooled', 'use')} --threads {a['threads']}")
+           f"--pooled {pooled} --threads {a['threads']}")
     score = lambda k: (f"{card[k]['mean']:.3f} (exact match {card[k]['exact']:.2f}, {card[k]['n']} numbers)"  # noqa: E731
                        if k in card else "not measured (--eval-steps 0)")
     conditioning = ("the pooled-text projection is fixed at zero (`--pooled zero`), so the digits are read from the "
                     "token sequence through joint attention, which lets unseen pairs compose from seen digits."
-                    if a.get("pooled", "use") == "zero" else
+                    if pooled == "zero" else
                     "the pooled-text projection is trained (`--pooled use`), which lets the model memorise each number.")
     (out / "README.md").write_text(f"""# ocr-mini
 

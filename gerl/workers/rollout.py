@@ -30,8 +30,7 @@ def group_latent_noise(seeds: list[int], group_seeds: list[int], shape: tuple[in
                        ) -> tuple[torch.Tensor, list[torch.Generator]]:
     """`init_same_noise`: sample i starts from the initial noise of its group's seed (shared by the whole group),
     and its SDE noise comes from its own seed, so the images of a group differ only by the SDE window's noise."""
-    noise = torch.stack([torch.randn(shape, generator=torch.Generator("cpu").manual_seed(g), dtype=torch.float32)
-                         for g in group_seeds])
+    noise, _ = latent_noise(group_seeds, shape)
     return noise, [torch.Generator("cpu").manual_seed(s) for s in seeds]
 
 
