@@ -12,14 +12,24 @@ they keep recognised lines with confidence > 0 where gerl keeps those ≥ min_co
 Backends:
 - `rapidocr` (default): PP-OCR ONNX models shipped inside the `rapidocr` wheel; CPU, offline.
 - `paddleocr`: PaddleOCR 3.x (GPU-capable), an optional extra: `pip install gerl[paddleocr]`.
+
+`score="likelihood"` (rapidocr, rec_only) scores instead how likely the recogniser finds the target: the CTC
+probability of the target string (whitespace removed, case as written) under the recogniser's per-frame character
+distribution, as a per-character geometric mean `exp(log P(target | image) / len(target))` in [0, 1]. It is the
+same recogniser, read densely: two images that the edit score ties (both read right, or both wrong) still differ
+in how sure the recogniser is, which gives a GRPO group a signal where the edit score gives none. Validate with the
+edit score (a weight-0 `ocr` reward component), since that is the metric the peers report.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import math
 import threading
 
 import numpy as np
+import torch
+import torch.nn.functional as F
 
 from gerl.errors import UserError
 from rewards.registry import register
@@ -45,6 +55,7 @@ def extract_target(prompt: str) -> str | None:
 
 
 STRIP_MODES = ("whitespace", "spaces")
+SCORE_MODES = ("edit", "likelihood")
 
 
 def normalize_text(text: str, strip: str = "whitespace") -> str:
@@ -88,6 +99,25 @@ def ocr_score(recognized: str, target: str, strip: str = "whitespace") -> float:
     return 1.0 - min(levenshtein(recognized, target), len(target)) / len(target)
 
 
+def ctc_likelihood_score(log_probs: np.ndarray, target_ids: list[int], blank: int = 0) -> float:
+    """exp(log P(target) / len(target)): the per-character geometric mean of the CTC probability of a label sequence.
+
+    Args:
+        log_probs: (T, C) per-frame log-probabilities of a CTC recogniser (each row sums to 1 in probability).
+        target_ids: the target's label indices (non-empty, none equal to `blank`).
+        blank: the CTC blank label.
+
+    Returns:
+        a score in [0, 1]; 0 when no alignment fits (the target needs more frames than T).
+    """
+    if not target_ids:
+        raise ValueError("ctc_likelihood_score needs a non-empty target")
+    lp = torch.as_tensor(np.asarray(log_probs, dtype=np.float32))[:, None, :]  # (T, 1, C)
+    nll = F.ctc_loss(lp, torch.tensor([target_ids]), torch.tensor([lp.shape[0]]), torch.tensor([len(target_ids)]),
+                     blank=blank, reduction="sum", zero_infinity=False)
+    return 0.0 if not math.isfinite(float(nll)) else math.exp(-float(nll) / len(target_ids))
+
+
 def target_for(prompt: str, metadata: dict | None) -> str | None:
     """The target text of one sample: `metadata["target_text"]` when given, else the prompt's quoted text."""
     override = (metadata or {}).get("target_text")
@@ -113,6 +143,8 @@ class OcrReward:
         strict_confidence: keep only lines scored strictly above min_confidence (the peers keep score > 0).
         strip: "whitespace" removes every whitespace character before comparing; "spaces" only U+0020 (peers).
         paddle_kwargs: extra keyword arguments for `paddleocr.PaddleOCR` (e.g. {"device": "gpu:0", "lang": "en"}).
+        score: "edit" (Flow-GRPO's score of the recognised text) or "likelihood" (the recogniser's CTC probability
+            of the target, per character; rapidocr with rec_only only; see the module docstring).
     """
 
     name = "ocr"
@@ -127,7 +159,13 @@ class OcrReward:
         paddle_kwargs: dict | None = None,
         strict_confidence: bool = False,
         strip: str = "whitespace",
+        score: str = "edit",
     ):
+        if score not in SCORE_MODES:
+            raise UserError(f"unknown OCR score {score!r}; set reward.kwargs.score to one of {list(SCORE_MODES)}")
+        if score == "likelihood" and (backend != "rapidocr" or not rec_only):
+            raise UserError("OCR score 'likelihood' reads the rapidocr recogniser directly; set backend: rapidocr and "
+                            "rec_only: true (or score: edit)")
         if strip not in STRIP_MODES:
             raise UserError(f"unknown OCR strip mode {strip!r}; set reward.kwargs.strip to one of {list(STRIP_MODES)}")
         if not isinstance(strict_confidence, bool):
@@ -151,7 +189,7 @@ class OcrReward:
         self.det_limit_side_len = det_limit_side_len
         self.num_threads = num_threads
         self.min_confidence = float(min_confidence)
-        self.strict_confidence, self.strip = strict_confidence, strip
+        self.strict_confidence, self.strip, self.score = strict_confidence, strip, score
         self.paddle_kwargs = dict(paddle_kwargs or {})
         self._engine = None
         self._lock = threading.Lock()  # reward threads may share one instance; load the model once
@@ -169,6 +207,8 @@ class OcrReward:
         Returns:
             (scores, {"ocr_text": the text recognised in each image})
         """
+        if self.score == "likelihood":
+            return self.likelihood(images, [target_for(p, m) for p, m in zip(prompts, metadata)])
         scores, texts = [], []
         for image, prompt, meta in zip(images, prompts, metadata):
             target = target_for(prompt, meta)
@@ -191,6 +231,36 @@ class OcrReward:
             scored = [ts for r in engine.predict(bgr) for ts in zip(r["rec_texts"], r["rec_scores"])]
         return " ".join(t for t, score in scored if self.keeps(float(score)) and t.strip())
 
+    def likelihood(self, images, targets: list[str | None]) -> tuple[list[float | None], dict[str, list]]:
+        """score="likelihood": one batched recogniser pass; each image's CTC score of its target (None: no target).
+
+        Returns:
+            (scores, {"ocr_text": the recogniser's greedy reading of each image})
+        """
+        rec = self._load()._load_rec_model()  # rapidocr's TextRecognizer: preprocessing, ONNX session, CTC decoder
+        _, height, width = rec.rec_image_shape
+        batch = np.concatenate([
+            rec.resize_norm_img(np.ascontiguousarray(np.asarray(im.convert("RGB"))[:, :, ::-1]), width / height)[None]
+            for im in images
+        ]).astype(np.float32)
+        probs = rec.session(batch)  # (N, frames, classes), softmax over classes; class 0 is the CTC blank
+        texts = [text for text, _ in rec.postprocess_op(probs)[0]]
+        log_probs = np.log(np.clip(probs, 1e-30, 1.0))
+        scores = [
+            None if t is None else ctc_likelihood_score(log_probs[i], self.label_ids(rec, t))
+            for i, t in enumerate(targets)
+        ]
+        return scores, {"ocr_text": texts}
+
+    @staticmethod
+    def label_ids(rec, target: str) -> list[int]:
+        """The recogniser's label indices of `target` with whitespace removed; ValueError naming an unknown char."""
+        chars = "".join(target.split())
+        missing = sorted({ch for ch in chars if ch not in rec.postprocess_op.dict})
+        if missing or not chars:
+            raise ValueError(f"the OCR recogniser cannot write {''.join(missing) or 'an empty target'!r}")
+        return [rec.postprocess_op.dict[ch] for ch in chars]
+
     def keeps(self, confidence: float) -> bool:
         """Whether a recognised line with this confidence counts (≥ min_confidence, or > with strict_confidence)."""
         return confidence > self.min_confidence if self.strict_confidence else confidence >= self.min_confidence
@@ -206,6 +276,13 @@ class OcrReward:
                 f"{prompts[first][:80]!r}; put the text to render in \"double quotes\" in each prompt or give a "
                 f"non-empty target_text field (.jsonl)"
             )
+        if self.score == "likelihood":
+            rec = self._load()._load_rec_model()
+            for i, (p, m) in enumerate(zip(prompts, metadata)):
+                try:
+                    self.label_ids(rec, target_for(p, m))
+                except ValueError as e:
+                    raise UserError(f"OCR score 'likelihood': prompt #{i + 1} {p[:80]!r}: {e}; use score: edit")
 
     def _load(self):
         if self._engine is None:
@@ -260,7 +337,8 @@ def ocr(
     paddle_kwargs: dict | None = None,
     strict_confidence: bool = False,
     strip: str = "whitespace",
+    score: str = "edit",
 ) -> OcrReward:
     """Flow-GRPO's OCR reward (see `OcrReward` for the arguments)."""
     return OcrReward(backend, rec_only, det_limit_side_len, num_threads, min_confidence, paddle_kwargs,
-                     strict_confidence, strip)
+                     strict_confidence, strip, score)

@@ -1,13 +1,15 @@
 """The OCR reward: target extraction, the score formula, and real rapidocr reads of PIL-rendered text."""
 
+import itertools
 import pickle
 
+import numpy as np
 import pytest
 from PIL import Image, ImageDraw, ImageFont
 
 from gerl.errors import UserError
 from rewards import build_reward, call_reward, validate_reward_inputs
-from rewards.ocr import OcrReward, extract_target, levenshtein, ocr_score
+from rewards.ocr import OcrReward, ctc_likelihood_score, extract_target, levenshtein, ocr_score
 
 
 def render(text: str, size: int = 128, font_size: int = 20) -> Image.Image:
@@ -134,6 +136,9 @@ def test_pickles_without_the_loaded_model(reward):
         ({"det_limit_side_len": 8}, "det_limit_side_len"),
         ({"num_threads": -1}, "num_threads"),
         ({"paddle_kwargs": {"lang": "en"}}, "paddle_kwargs only apply"),
+        ({"score": "confidence"}, "unknown OCR score"),
+        ({"score": "likelihood"}, "rec_only: true"),
+        ({"score": "likelihood", "rec_only": True, "backend": "paddleocr"}, "backend: rapidocr"),
     ],
 )
 def test_bad_settings_are_user_errors(kwargs, match):
@@ -196,3 +201,48 @@ def test_peer_settings_read_real_text():
     reward = build_reward("ocr", {"strip": "spaces", "strict_confidence": True})
     scores, extras = call_reward(reward, [render("Hello World")], ['"Hello World"'], [{}])
     assert scores[0] >= 0.95, extras
+
+
+# ---- score="likelihood": the recogniser's CTC probability of the target -------------------------------------------
+
+def brute_force_ctc(probs: np.ndarray, target: list[int], blank: int = 0) -> float:
+    """P(target) by summing every frame path that collapses (merge repeats, drop blanks) to the target."""
+    total = 0.0
+    for path in itertools.product(range(probs.shape[1]), repeat=probs.shape[0]):
+        collapsed = [c for i, c in enumerate(path) if c != blank and (i == 0 or c != path[i - 1])]
+        if collapsed == target:
+            total += float(np.prod([probs[t, c] for t, c in enumerate(path)]))
+    return total
+
+
+@pytest.mark.parametrize("target", [[1], [1, 2], [2, 2], [1, 2, 1]])
+def test_ctc_likelihood_matches_the_sum_over_alignments(target):
+    probs = np.random.default_rng(len(target)).dirichlet(np.ones(3), size=5)  # 5 frames, blank + 2 labels
+    expected = brute_force_ctc(probs, target) ** (1 / len(target))
+    assert ctc_likelihood_score(np.log(probs), target) == pytest.approx(expected, rel=1e-5)
+
+
+def test_ctc_likelihood_edges():
+    frames = np.log(np.full((2, 3), 1 / 3))
+    assert ctc_likelihood_score(frames, [1, 1, 1]) == 0.0  # "aaa" needs 5 frames (a blank between repeats)
+    sure = np.log(np.array([[1e-9, 1 - 2e-9, 1e-9], [1 - 2e-9, 1e-9, 1e-9]]))  # "a" then blank
+    assert ctc_likelihood_score(sure, [1]) == pytest.approx(1.0, abs=1e-6)
+    assert ctc_likelihood_score(sure, [2]) < 1e-4
+    with pytest.raises(ValueError):
+        ctc_likelihood_score(sure, [])
+
+
+def test_likelihood_score_ranks_legible_above_wrong_and_blank():
+    reward = build_reward("ocr", {"rec_only": True, "score": "likelihood"})
+    line = render("2048", size=160, font_size=24).crop((0, 60, 160, 100))
+    blank = Image.new("RGB", (160, 40), "white")
+    scores, extras = call_reward(reward, [line, line, blank], ['"2048"', '"2049"', '"2048"'], [{}] * 3)
+    assert extras["ocr_text"][0] == "2048"
+    assert scores[0] > 0.9 > 0.5 > scores[1] > scores[2]  # one wrong digit of four costs, not all of it
+    assert scores[1] > 1e-3  # and is not zero: the other three characters still count
+
+
+def test_likelihood_names_a_character_the_recogniser_cannot_write():
+    reward = build_reward("ocr", {"rec_only": True, "score": "likelihood"})
+    with pytest.raises(UserError, match=r"prompt #2 .*cannot write .*score: edit"):
+        validate_reward_inputs(reward, ['a "42"', 'a "4\u16a0"'], [{}, {}])  # a runic letter
