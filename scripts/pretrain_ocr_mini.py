@@ -8,11 +8,16 @@ Everything is made here, offline and seeded: the data are 2-digit numbers drawn 
 VAE (`AutoencoderKL`, 4× down-sampling to 16×16×16 latents) is trained first, then the `SD3Transformer2DModel`
 with the rectified-flow objective of SD3 (x_t = (1 − σ)·x0 + σ·ε, target ε − x0, σ logit-normal). The text encoders
 and tokenizers are the tiny offline ones of `gerl.models.tiny` (random, frozen): the transformer learns to read
-their character embeddings. The pooled-text projection (`time_text_embed.text_embedder`) is fixed at zero: the
-pooled CLIP vector is read off a causal encoder's last token, a hash of the whole prompt, and a transformer that may
-use it memorises each number and draws unseen ones with the wrong identity (held-out OCR 0.28, no exact match, against
-0.50 with it zeroed). The result is a diffusers directory that `StableDiffusion3Pipeline.from_pretrained`
-loads and that `model.path=ocr-mini` selects.
+their character embeddings. Two settings keep it from memorising each number through a token that acts as a hash of
+the whole prompt, which made the first models draw unseen numbers with the wrong digits:
+- the pooled-text projection (`time_text_embed.text_embedder`) is fixed at zero: the pooled CLIP vector is read off
+  a causal encoder's last token (held-out OCR 0.28 with it, 0.50 without, 1,800 steps);
+- optionally (`--text-context token`; not the shipped model) the text encoders' self-attention outputs are fixed at
+  zero: a random encoder's attention mixes the whole prompt into the closing quote, end-of-text and padding tokens
+  (and every T5 token); zeroed, each token's embedding depends on that token and its position only (held-out
+  0.50 → 0.91 at 1,800 steps, a base with no room left for RL; at 1,000 steps 0.41, see docs/benchmarks.md).
+The result is a diffusers directory that `StableDiffusion3Pipeline.from_pretrained` loads and that
+`model.path=ocr-mini` selects.
 
 Held-out numbers (`HELD_OUT`) never occur in the pretraining data nor in the RL training prompts; the script writes
 `assets/ocr_mini/{train,test}.txt` prompt files with them when `--write-prompts` is given, and a model card with the
@@ -85,6 +90,20 @@ def build_transformer():
         attention_head_dim=32, num_attention_heads=4, joint_attention_dim=T5_WIDTH, caption_projection_dim=128,
         pooled_projection_dim=2 * CLIP_PROJ, pos_embed_max_size=16,
     )
+
+
+@torch.no_grad()
+def context_free_text_encoders(tiny) -> None:
+    """Zero the self-attention output projections of the three text encoders: a token's embedding then depends on
+    that token and (CLIP's absolute) position only. The random encoders otherwise mix the whole prompt into every
+    token after the first digit (the closing quote, end-of-text and padding, and every T5 token), so each number
+    has tokens that act as its hash, and the transformer memorises numbers through them instead of composing digits."""
+    for enc in (tiny.text_encoder, tiny.text_encoder_2):
+        for layer in enc.text_model.encoder.layers:
+            torch.nn.init.zeros_(layer.self_attn.out_proj.weight)
+            torch.nn.init.zeros_(layer.self_attn.out_proj.bias)
+    for block in tiny.text_encoder_3.encoder.block:
+        torch.nn.init.zeros_(block.layer[0].SelfAttention.o.weight)
 
 
 def train_vae(vae, steps: int, batch: int, rng: random.Random, log) -> None:
@@ -170,15 +189,21 @@ def write_model_card(out: Path, card: dict) -> None:
     """README.md beside the weights: what the model is, its data, the command that made it, its base OCR scores."""
     a = card["args"]
     pooled = a.get("pooled", "use")  # cards written before --pooled existed trained the projection
+    context = a.get("text_context", "full")  # ... and before --text-context kept the encoders' attention
     cmd = (f"python scripts/pretrain_ocr_mini.py --out {a['out']} --steps {a['steps']} --batch {a['batch']} "
            f"--lr {a['lr']} --vae-steps {a['vae_steps']} --variants {a['variants']} --seed {a['seed']} "
-           f"--pooled {pooled} --threads {a['threads']}")
+           f"--pooled {pooled} --text-context {context} --threads {a['threads']}")
     score = lambda k: (f"{card[k]['mean']:.3f} (exact match {card[k]['exact']:.2f}, {card[k]['n']} numbers)"  # noqa: E731
                        if k in card else "not measured (--eval-steps 0)")
     conditioning = ("the pooled-text projection is fixed at zero (`--pooled zero`), so the digits are read from the "
                     "token sequence through joint attention, which lets unseen pairs compose from seen digits."
                     if pooled == "zero" else
                     "the pooled-text projection is trained (`--pooled use`), which lets the model memorise each number.")
+    conditioning += (" The text encoders' self-attention outputs are fixed at zero (`--text-context token`): each "
+                     "token's embedding depends on that token and its position only, so no token carries a hash of "
+                     "the whole number." if context == "token" else
+                     " The random text encoders keep their attention (`--text-context full`): every token after the "
+                     "first digit carries a hash of the whole number.")
     (out / "README.md").write_text(f"""# ocr-mini
 
 A 2.3M-parameter Stable Diffusion 3 architecture (`SD3Transformer2DModel`: 4 joint blocks, 4 heads × 32, patch 2,
@@ -222,6 +247,11 @@ def main(argv=None) -> int:
     ap.add_argument("--pooled", choices=("zero", "use"), default="zero",
                     help="zero (default): the pooled-text projection is fixed at zero, so the transformer must read the "
                          "digits from the token sequence; use: train it (the model then memorises each number)")
+    ap.add_argument("--text-context", choices=("full", "token"), default="full",
+                    help="full (default, the shipped model): keep the random text encoders' attention, so every token "
+                         "after the first digit carries a hash of the whole number; token: fix their self-attention "
+                         "outputs at zero, so each token's embedding depends on that token and its position only "
+                         "(composes unseen numbers far better; docs/benchmarks.md)")
     ap.add_argument("--write-prompts", default="", help="also write train.txt/test.txt prompt files to this directory")
     args = ap.parse_args(argv)
     if args.steps < 1 or args.vae_steps < 1 or args.batch < 1 or args.variants < 1:
@@ -257,6 +287,8 @@ def main(argv=None) -> int:
         torch.nn.init.zeros_(proj.weight)
         torch.nn.init.zeros_(proj.bias)
         proj.requires_grad_(False)
+    if args.text_context == "token":
+        context_free_text_encoders(tiny)
     log(f"transformer: {sum(p.numel() for p in transformer.parameters()) / 1e6:.2f}M parameters")
     pipe = StableDiffusion3Pipeline(
         transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=SHIFT), vae=vae,

@@ -56,8 +56,23 @@ def test_pretraining_is_seeded_and_writes_a_stock_pipeline(tmp_path):
     # output cannot depend on the pooled vector (a hash of the whole prompt) and must read the digits' tokens
     proj = pipe.transformer.time_text_embed.text_embedder.linear_2
     assert not proj.weight.any() and not proj.bias.any()
-    used = _short_run(mod, tmp_path / "d", extra=["--pooled", "use"])
+    used = _short_run(mod, tmp_path / "d", extra=["--pooled", "use", "--text-context", "token"])
     assert used[_POOLED_W].any(), "--pooled use must train the pooled projection"
+    # --text-context token: prompts that differ in one digit differ in that digit's tokens only (one in the CLIP
+    # part, one in the T5 part), and swapped digits still differ (CLIP's absolute positions); with the random
+    # encoders' attention kept (full, the default), every token after the first digit carries the whole number
+    assert _differing_tokens(tmp_path / "d", "65", "15") == 2 and _differing_tokens(tmp_path / "d", "65", "56") == 4
+    assert _differing_tokens(tmp_path / "a", "65", "15") > 20
+
+
+def _differing_tokens(model_dir: Path, a: str, b: str) -> int:
+    from diffusers import StableDiffusion3Pipeline
+
+    pipe = StableDiffusion3Pipeline.from_pretrained(str(model_dir))
+    with torch.no_grad():
+        e = pipe.encode_prompt(prompt=[f'a sign that says "{a}"', f'a sign that says "{b}"'], prompt_2=None,
+                               prompt_3=None, do_classifier_free_guidance=False, max_sequence_length=32)[0]
+    return int(((e[0] - e[1]).abs().amax(-1) > 1e-6).sum())
 
 
 def test_rendered_data_is_seeded_and_holds_ink():
@@ -82,6 +97,7 @@ def test_shipped_model_loads_by_name_and_recipe_holds_out_its_test_targets():
     card = json.loads((SHIPPED_MODELS["ocr-mini"] / "pretrain.json").read_text())
     assert 0.0 < card["ocr_held_out"]["mean"] < 1.0  # the base model is imperfect: room for RL to improve
     assert card["args"]["pooled"] == "zero" and not pipe.transformer.time_text_embed.text_embedder.linear_2.weight.any()
+    assert card["args"].get("text_context", "full") == "full"  # the shipped model predates --text-context
     cfg = load_config(str(REPO / "recipes" / "ocr_mini.yaml"))
     assert cfg.model.path == "ocr-mini"
     targets = lambda f: {extract_target(line) for line in (REPO / f).read_text().splitlines() if line.strip()}  # noqa: E731
