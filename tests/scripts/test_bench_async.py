@@ -140,5 +140,9 @@ def test_bench_async_end_to_end_with_the_remote_reward(capsys):
     assert set(rows) == {"sync", "with_reward"} and rows["sync"][3] == "1.00×"
     for row in rows.values():
         step, ideal, eff = float(row[2]), float(row[4]), float(row[5])
-        assert step > 0 and ideal > 0 and eff == pytest.approx(ideal / step, abs=0.006)
+        assert step > 0.001 and ideal > 0.001
+        # step and ideal are printed to 3 decimals and efficiency to 2, so efficiency = ideal / step holds only within
+        # the rounding of all three (a fixed tolerance failed on a 0.2 s step: 1.02 printed vs 0.222 / 0.219 = 1.014)
+        lo, hi = (ideal - 5e-4) / (step + 5e-4) - 5e-3, (ideal + 5e-4) / (step - 5e-4) + 5e-3
+        assert lo - 1e-9 <= eff <= hi + 1e-9, (eff, ideal, step)
         assert float(row[8]) >= 0.05  # the reward's latency is what the remote call costs at least
