@@ -137,12 +137,15 @@ def encode_dataset(vae, variants: int, rng: random.Random) -> tuple[torch.Tensor
     return torch.cat(means), torch.cat(stds), labels
 
 
-def train_transformer(transformer, latents, latent_std, labels, embeds, steps, batch, lr, seed, log) -> None:
+def train_transformer(transformer, latents, latent_std, labels, embeds, steps, batch, lr, seed, log,
+                      caption_dropout: float = 0.0) -> None:
     """SD3's rectified flow: x_t = (1 − σ) x0 + σ ε, predict v = ε − x0; σ ~ logit-normal(0, 1) shifted by the
     sampler's shift (σ ← sσ / (1 + (s − 1)σ), s = 3) as SD3 does, so training spends its effort on the high-noise
     steps where sampling decides which digits appear (a first try without the shift drew digit-like glyphs of the
-    wrong identity: OCR 0.05)."""
-    g = torch.Generator().manual_seed(seed)
+    wrong identity: OCR 0.05). With `caption_dropout` > 0 that fraction of the batch is conditioned on the empty
+    prompt (the last row of `embeds`, what the pipeline encodes as its negative prompt), so that classifier-free
+    guidance has an unconditional model to push away from."""
+    g, g_drop = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed + 1)
     prompt_embeds, pooled = embeds
     opt = torch.optim.AdamW(transformer.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -158,6 +161,8 @@ def train_transformer(transformer, latents, latent_std, labels, embeds, steps, b
         s = sigma.view(-1, 1, 1, 1)
         xt = (1 - s) * x0 + s * eps
         lab = labels_t[idx]
+        if caption_dropout > 0:  # its own generator: the data and noise draws stay those of a run without dropout
+            lab = torch.where(torch.rand(batch, generator=g_drop) < caption_dropout, len(prompt_embeds) - 1, lab)
         v = transformer(hidden_states=xt, timestep=sigma * 1000, encoder_hidden_states=prompt_embeds[lab],
                         pooled_projections=pooled[lab], return_dict=False)[0]
         loss = F.mse_loss(v, eps - x0)
@@ -192,7 +197,8 @@ def write_model_card(out: Path, card: dict) -> None:
     context = a.get("text_context", "full")  # ... and before --text-context kept the encoders' attention
     cmd = (f"python scripts/pretrain_ocr_mini.py --out {a['out']} --steps {a['steps']} --batch {a['batch']} "
            f"--lr {a['lr']} --vae-steps {a['vae_steps']} --variants {a['variants']} --seed {a['seed']} "
-           f"--pooled {pooled} --text-context {context} --threads {a['threads']}")
+           f"--pooled {pooled} --text-context {context} --threads {a['threads']}"
+           + (f" --caption-dropout {a['caption_dropout']}" if a.get("caption_dropout") else ""))
     score = lambda k: (f"{card[k]['mean']:.3f} (exact match {card[k]['exact']:.2f}, {card[k]['n']} numbers)"  # noqa: E731
                        if k in card else "not measured (--eval-steps 0)")
     conditioning = ("the pooled-text projection is fixed at zero (`--pooled zero`), so the digits are read from the "
@@ -204,6 +210,9 @@ def write_model_card(out: Path, card: dict) -> None:
                      "the whole number." if context == "token" else
                      " The random text encoders keep their attention (`--text-context full`): every token after the "
                      "first digit carries a hash of the whole number.")
+    if a.get("caption_dropout"):
+        conditioning += (f" {a['caption_dropout']:.0%} of the training samples saw the empty prompt instead "
+                         "(`--caption-dropout`), so classifier-free guidance works (negative prompt \"\").")
     (out / "README.md").write_text(f"""# ocr-mini
 
 A 2.3M-parameter Stable Diffusion 3 architecture (`SD3Transformer2DModel`: 4 joint blocks, 4 heads × 32, patch 2,
@@ -255,10 +264,17 @@ def main(argv=None) -> int:
                          "after the first digit carries a hash of the whole number; token: fix their self-attention "
                          "outputs at zero, so each token's embedding depends on that token and its position only "
                          "(composes unseen numbers far better; docs/benchmarks.md)")
+    ap.add_argument("--caption-dropout", type=float, default=0.0,
+                    help="fraction of training samples conditioned on the empty prompt, so that the model also learns "
+                         "the unconditional velocity that classifier-free guidance needs (default 0: no guidance)")
     ap.add_argument("--write-prompts", default="", help="also write train.txt/test.txt prompt files to this directory")
     args = ap.parse_args(argv)
     if args.steps < 1 or args.vae_steps < 1 or args.batch < 1 or args.variants < 1:
         print("pretrain_ocr_mini: --steps, --vae-steps, --batch and --variants must be ≥ 1", file=sys.stderr)
+        return 2
+    if not 0.0 <= args.caption_dropout < 1.0:
+        print(f"pretrain_ocr_mini: --caption-dropout {args.caption_dropout} must be in [0, 1) (e.g. 0.1)",
+              file=sys.stderr)
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -300,11 +316,11 @@ def main(argv=None) -> int:
     )
     pipe.set_progress_bar_config(disable=True)
     with torch.no_grad():
-        embeds, _, pooled, _ = pipe.encode_prompt(prompt=[TEMPLATE.format(n) for n in TRAIN], prompt_2=None,
-                                                  prompt_3=None, do_classifier_free_guidance=False,
-                                                  max_sequence_length=32)
+        texts = [TEMPLATE.format(n) for n in TRAIN] + ([""] if args.caption_dropout else [])  # "" = the null prompt
+        embeds, _, pooled, _ = pipe.encode_prompt(prompt=texts, prompt_2=None, prompt_3=None,
+                                                  do_classifier_free_guidance=False, max_sequence_length=32)
     train_transformer(transformer, latents, latent_std, labels, (embeds, pooled), args.steps, args.batch, args.lr,
-                      args.seed, log)
+                      args.seed, log, args.caption_dropout)
     for m in (transformer, vae):
         m.requires_grad_(False)
 

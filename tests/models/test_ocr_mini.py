@@ -110,3 +110,46 @@ def test_missing_shipped_model_is_a_user_error(monkeypatch, tmp_path):
     with pytest.raises(UserError, match="pretrain_ocr_mini.py"):
         resolve_model_path("ocr-mini")
     assert resolve_model_path("tiny") == "tiny"
+
+
+class _RecordingTransformer(torch.nn.Module):
+    """Stands in for the SD3 transformer inside `train_transformer`: one weight, and a record of which prompt
+    embedding each sample of each batch was conditioned on (the embeddings are one-hot rows, so argmax names them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(()))
+        self.seen: list[int] = []
+
+    def forward(self, hidden_states, timestep, encoder_hidden_states, pooled_projections, return_dict):
+        self.seen += encoder_hidden_states[:, 0].argmax(-1).tolist()
+        return (hidden_states * self.w,)
+
+
+def _conditioning(mod, caption_dropout: float, rows: int) -> list[int]:
+    n, steps, batch = 5, 40, 16
+    latents, std = torch.randn(n, 2, 4, 4), torch.zeros(n, 2, 4, 4)
+    embeds = torch.eye(rows).unsqueeze(1)  # row i: the embedding of prompt i (row n: the empty prompt, when present)
+    t = _RecordingTransformer()
+    mod.train_transformer(t, latents, std, list(range(n)), (embeds, torch.zeros(rows, 4)), steps, batch, 1e-3, 0,
+                          lambda _: None, caption_dropout)
+    assert len(t.seen) == steps * batch
+    return t.seen
+
+
+def test_caption_dropout_conditions_that_fraction_on_the_empty_prompt_and_is_off_by_default():
+    mod = _pretrain_module()
+    plain = _conditioning(mod, 0.0, rows=5)
+    assert set(plain) == set(range(5))
+    dropped = _conditioning(mod, 0.25, rows=6)  # the empty prompt's embedding is the extra last row
+    null = sum(i == 5 for i in dropped) / len(dropped)
+    assert 0.18 < null < 0.32, f"{null:.3f} of the samples saw the empty prompt, expected about 0.25"
+    # a sample that was not dropped is conditioned on its own number: the same draw as without dropout
+    assert all(d in (p, 5) for d, p in zip(dropped, plain))
+
+
+def test_caption_dropout_outside_0_1_is_a_clear_error(tmp_path, capsys):
+    mod = _pretrain_module()
+    assert mod.main(["--out", str(tmp_path / "m"), "--caption-dropout", "1.0"]) == 2
+    assert "--caption-dropout 1.0 must be in [0, 1)" in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()
