@@ -38,24 +38,11 @@ from gerl.logging.throughput import (  # noqa: E402
     flow_grpo_step_flops, mfu, peak_memory_gib, peak_tflops_for, text_seq_len,
 )
 from gerl.models.loader import add_lora  # noqa: E402
+from gerl.models.sd35_arch import build_component, load_config  # noqa: E402
 from gerl.sampling.loop import Embeds, Trajectory, denoise, make_schedule, sde_window  # noqa: E402
 from gerl.workers.actor import ActorWorker  # noqa: E402
 from gerl.workers.batch import RolloutBatch  # noqa: E402
 from gerl.workers.rollout import decode, latent_noise, sample_seed  # noqa: E402
-
-# stabilityai/stable-diffusion-3.5-medium transformer/config.json (architecture only)
-SD35_MEDIUM_TRANSFORMER = dict(
-    sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=24, attention_head_dim=64,
-    num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536, pooled_projection_dim=2048,
-    pos_embed_max_size=384, qk_norm="rms_norm", dual_attention_layers=tuple(range(13)),
-)
-# The SD3 / SD3.5 VAE (vae/config.json): 16 latent channels, 8× downsampling.
-SD3_VAE = dict(
-    in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512), layers_per_block=2,
-    down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4, norm_num_groups=32,
-    act_fn="silu", sample_size=1024, scaling_factor=1.5305, shift_factor=0.0609, use_quant_conv=False,
-    use_post_quant_conv=False,
-)
 
 
 class RandomEmbedder:
@@ -76,7 +63,7 @@ class RandomEmbedder:
 
 def build(args, device: torch.device):
     """(pipe-like namespace with transformer/vae/scheduler, embedder, text_len) for SD3.5-M or the tiny SD3."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler
 
     if args.tiny:
         from gerl.models.tiny import T5_WIDTH, TOKEN_LENGTH, build_tiny_sd3
@@ -87,14 +74,16 @@ def build(args, device: torch.device):
         dtype = torch.float32
         embedder = RandomEmbedder(text_len, T5_WIDTH, transformer.config.pooled_projection_dim, device, dtype)
     else:
+        # SD3.5-Medium's published configs (assets/configs/sd3.5-medium), random weights
         dtype = torch.bfloat16
         torch.manual_seed(0)
-        with torch.device(device):  # initialise on the GPU: 2.5 B parameters initialise slowly on the CPU
-            transformer = SD3Transformer2DModel(**SD35_MEDIUM_TRANSFORMER).to(dtype)
-            vae = AutoencoderKL(**SD3_VAE).to(dtype)
-        scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+        # initialise on the GPU: 2.5 B parameters initialise slowly on the CPU
+        transformer = build_component("transformer", device, dtype)
+        vae = build_component("vae", device, dtype)
+        scheduler = FlowMatchEulerDiscreteScheduler.from_config(load_config("scheduler"))
         text_len = text_seq_len(256)
-        embedder = RandomEmbedder(text_len, 4096, 2048, device, dtype)
+        cfg = transformer.config
+        embedder = RandomEmbedder(text_len, cfg.joint_attention_dim, cfg.pooled_projection_dim, device, dtype)
     transformer.to(device).requires_grad_(False).eval()
     vae.to(device).requires_grad_(False).eval()
     add_lora(transformer, args.lora_rank, 2.0 * args.lora_rank, ModelConfig().lora_targets)

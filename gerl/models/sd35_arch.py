@@ -1,0 +1,73 @@
+"""Stable Diffusion 3.5 Medium's architecture with random weights, built from the configs in the repository.
+
+The configs under assets/configs/sd3.5-medium/ are the published ones (see its README.md); no weights are
+downloaded or shipped. Each config names its own class (`_class_name` for diffusers, `architectures` for
+transformers), so this module holds no sizes. diffusers is imported only for the transformer and the VAE: the text
+encoders build on a machine that has transformers alone.
+
+    modules = build_sd35_medium(device="cuda", dtype=torch.bfloat16)   # five nn.Modules, random weights
+    with torch.device("meta"):                                          # sizes only, nothing allocated
+        print(param_counts(build_sd35_medium()))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import torch
+
+from gerl.errors import UserError
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "assets" / "configs" / "sd3.5-medium"
+DIFFUSERS_COMPONENTS = ("transformer", "vae")
+TRANSFORMERS_COMPONENTS = ("text_encoder", "text_encoder_2", "text_encoder_3")
+COMPONENTS = DIFFUSERS_COMPONENTS + TRANSFORMERS_COMPONENTS
+
+
+def load_config(component: str) -> dict:
+    """The published config of one component ("transformer", "vae", "text_encoder", …, or "scheduler")."""
+    if component not in COMPONENTS + ("scheduler",):
+        raise UserError(f"unknown SD3.5-Medium component {component!r}; known: {', '.join(COMPONENTS)}, scheduler")
+    name = "scheduler_config.json" if component == "scheduler" else "config.json"
+    path = CONFIG_DIR / component / name
+    if not path.is_file():
+        raise UserError(f"{path} is missing; it ships with the gerl repository (restore it with `git checkout "
+                        f"assets/configs`)")
+    return json.loads(path.read_text())
+
+
+def build_component(component: str, device: str | torch.device | None = None, dtype: torch.dtype = torch.float32):
+    """One component as a randomly initialised nn.Module on `device`, cast to `dtype`.
+
+    device=None builds on the current default device, so that an enclosing `with torch.device("meta"):` holds and
+    nothing is allocated. Weights are initialised in fp32 and then cast: the peak is the fp32 size (T5-XXL's
+    encoder: 19 GB), so build the large parts on the GPU (or on meta), not in a small machine's RAM.
+    """
+    cfg = load_config(component)
+    with torch.device(device) if device is not None else contextlib.nullcontext():
+        if component in DIFFUSERS_COMPONENTS:
+            import diffusers  # lazily: the text encoders need transformers only
+
+            module = getattr(diffusers, cfg["_class_name"]).from_config(cfg)
+        else:
+            import transformers
+
+            cfg = dict(cfg)
+            config = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+            module = getattr(transformers, cfg["architectures"][0])(config)
+    return module.to(dtype).eval()
+
+
+def build_sd35_medium(components=COMPONENTS, device: str | torch.device | None = None,
+                      dtype: torch.dtype = torch.float32) -> dict:
+    """{name: nn.Module} for the requested components, in the order given."""
+    return {name: build_component(name, device, dtype) for name in components}
+
+
+def param_counts(modules: dict) -> dict[str, int]:
+    """{name: number of parameters}. Shared tensors count once (T5's input embedding is both `shared` and
+    `encoder.embed_tokens`). Buffers are not parameters: the transformer's 384×384 positional-embedding table
+    (226 M values, saved in its checkpoint) is left out."""
+    return {name: sum(p.numel() for p in m.parameters()) for name, m in modules.items()}
