@@ -90,3 +90,36 @@ def test_text_encoders_build_without_diffusers(monkeypatch):
 def test_unknown_component_lists_the_known_ones():
     with pytest.raises(UserError, match="known: " + ", ".join(COMPONENTS)):
         load_config("unet")
+
+
+def test_encoding_token_ids_matches_the_sd3_pipelines_encode_prompt(tiny_pipe):
+    from gerl.models.sd35_arch import encode_token_ids
+
+    prompts = ['a sign that says "open"', "x"]
+
+    def ids(tokenizer):
+        return tokenizer(prompts, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
+                         return_tensors="pt").input_ids
+
+    p = tiny_pipe
+    prompt, pooled = encode_token_ids((p.text_encoder, p.text_encoder_2, p.text_encoder_3),
+                                      (ids(p.tokenizer), ids(p.tokenizer_2), ids(p.tokenizer_3)))
+    with torch.no_grad():  # as encode_token_ids runs: T5 under autograd rounds differently (~1e-6)
+        want, _, want_pooled, _ = p.encode_prompt(prompt=prompts, prompt_2=None, prompt_3=None, device="cpu",
+                                                  do_classifier_free_guidance=False,
+                                                  max_sequence_length=p.tokenizer_3.model_max_length)
+    torch.testing.assert_close(prompt, want, rtol=0, atol=0)
+    torch.testing.assert_close(pooled, want_pooled, rtol=0, atol=0)
+
+
+def test_random_token_embedder_gives_sd35_shapes_on_meta(meta_modules):
+    from gerl.models.sd35_arch import RandomTokenEmbedder
+
+    encoders = [meta_modules[n] for n in ("text_encoder", "text_encoder_2", "text_encoder_3")]
+    embeds = RandomTokenEmbedder(encoders, (77, 77, 256), torch.device("meta"))(["a", "b", "a"])
+    assert embeds.prompt.shape == (3, 77 + 256, 4096) and embeds.pooled.shape == (3, 768 + 1280)
+    assert embeds.prompt.dtype == torch.bfloat16
+    cpu = RandomTokenEmbedder(encoders, (77, 77, 256), torch.device("cpu"))
+    a, b = cpu.token_ids("a"), cpu.token_ids("a")
+    assert all(torch.equal(x, y) for x, y in zip(a, b))  # one prompt, one set of ids
+    assert [int(t.max()) < v for t, v in zip(a, (49408, 49408, 32128))] == [True] * 3
