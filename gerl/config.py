@@ -146,6 +146,7 @@ class EngineConfig:
     rollout_workers: int = 1  # M: generation workers (devices) in the rollout pool; a step's groups are split across them
     device: Literal["auto", "cpu", "cuda"] = "auto"  # what each worker's share is: a GPU each, or cpus_per_worker cores
     cpus_per_worker: int = 1  # CPU cores pinned to each worker when device=cpu (torch threads = this)
+    gpus_per_worker: float = 1.0  # each host's share of a GPU when device=cuda; 0.5 puts two hosts (1 actor + 1 rollout) on one GPU
     schedule: Literal["sync", "async", "stream"] = "sync"  # sync: generate → reward → train → sync; async: generation runs max_staleness batches ahead; stream: rollouts pull groups from one prompt stream, the trainer takes the first complete ones (docs/architecture.md)
     max_staleness: int = 1  # async: batches generated ahead of training (1 = one-step-off; ROLL's async_generation_ratio); stream: also the lag in versions beyond which a group is stale
     stale: Literal["drop", "downweight"] = "drop"  # stream: a group older than max_staleness versions is dropped, or kept with its advantages scaled down
@@ -532,6 +533,7 @@ RANGES: dict[str, Range] = {
     "engine.actor_workers": _ge(1),
     "engine.rollout_workers": _ge(1),
     "engine.cpus_per_worker": _ge(1),
+    "engine.gpus_per_worker": Range(0, 1, lo_open=True),
     "engine.max_staleness": _ge(1, "1 = one-step-off"),
     "engine.stale_decay": Range(0, 1, lo_open=True),
     "engine.ratio_cap": _ge(0, "0 = off"),
@@ -625,6 +627,12 @@ def _relations(cfg: Config) -> list[str]:
     elif g.hybrid and g.actor_workers != g.rollout_workers:
         e.append(f"engine.hybrid=true colocates one actor and one rollout per device: actor_workers "
                  f"({g.actor_workers}) must equal rollout_workers ({g.rollout_workers})")
+    broadcast = not g.hybrid and (g.weight_sync == "broadcast" or (
+        g.weight_sync == "auto" and not cfg.model.lora and g.schedule != "stream"))
+    if g.kind == "ray" and g.device != "cpu" and g.gpus_per_worker < 1 and (g.actor_workers > 1 or broadcast):
+        e.append(f"engine.gpus_per_worker={g.gpus_per_worker} packs hosts onto one GPU, where NCCL cannot join two ranks "
+                 "(data-parallel actors or a weight broadcast); use engine.actor_workers=1 and sync through the object "
+                 "store (LoRA, or engine.weight_sync=object_store), or gpus_per_worker=1")
     if g.schedule == "stream" and g.weight_sync == "broadcast":
         e.append("engine.schedule=stream stages weights through the object store; set engine.weight_sync=auto or object_store")
     if d.prompts_per_step % g.rollout_workers:

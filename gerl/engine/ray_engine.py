@@ -251,7 +251,8 @@ class RayEngine:
         n_actor, n_roll = g.actor_workers, g.rollout_workers
         hosts = n_actor if g.hybrid else n_actor + n_roll
         self._check_resources(hosts)
-        self.devices = hosts
+        # devices in use, for images/s/device and GPU-hours: 1 actor + 1 rollout at 0.5 GPU each is one GPU
+        self.devices = hosts * g.gpus_per_worker if self.use_gpu else hosts
         self.actor_devices, self.rollout_devices = n_actor, (n_actor if g.hybrid else n_roll)
         lora = cfg.model.lora
         self.sync_mode = g.weight_sync if g.weight_sync != "auto" else (
@@ -261,7 +262,7 @@ class RayEngine:
         world = n_actor + n_roll if broadcast else n_actor
         sync_ranks = [0] + list(range(n_actor, n_actor + n_roll)) if broadcast else None
         c = g.cpus_per_worker
-        self._opts = {"num_gpus": 1} if self.use_gpu else {"num_cpus": c}
+        self._opts = {"num_gpus": g.gpus_per_worker} if self.use_gpu else {"num_cpus": c}
         # stream: a host generates (default group, one call at a time) while other threads wait for the rewards
         # of its earlier groups and stage new weights into the second buffer.
         groups = {"concurrency_groups": {"weights": 1, "rewards": 64}} if g.schedule == "stream" else {}
@@ -298,14 +299,14 @@ class RayEngine:
         res = self.ray.cluster_resources()
         g = self.cfg.engine
         if self.use_gpu:
-            have, need, what = int(res.get("GPU", 0)), hosts, "GPUs"
+            have, need, what = res.get("GPU", 0), hosts * g.gpus_per_worker, "GPUs"
         else:
             have, need, what = int(res.get("CPU", 0)), hosts * g.cpus_per_worker, "CPUs"
         if need > have:
             layout = (f"{g.actor_workers} colocated" if g.hybrid else f"{g.actor_workers} actor + {g.rollout_workers} rollout")
-            per = "" if self.use_gpu else f" × {g.cpus_per_worker} cpus_per_worker"
-            raise UserError(f"engine asks for {need} {what} ({layout} workers{per}) but the Ray cluster has {have}; "
-                            "lower engine.actor_workers/rollout_workers/cpus_per_worker or add nodes")
+            per = f" × {g.gpus_per_worker:g} gpus_per_worker" if self.use_gpu else f" × {g.cpus_per_worker} cpus_per_worker"
+            raise UserError(f"engine asks for {need:g} {what} ({layout} workers{per}) but the Ray cluster has {have:g}; "
+                            "lower engine.actor_workers/rollout_workers/cpus_per_worker/gpus_per_worker or add nodes")
 
     @property
     def actor_version(self) -> int:

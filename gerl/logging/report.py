@@ -90,10 +90,10 @@ def load_run(path: Path) -> Run:
 
 # ------------------------------------------------------------------ derived numbers
 
-def devices_of(run: Run) -> int:
+def devices_of(run: Run) -> float:
     """Devices in use: the last logged "devices", else what config.yaml's engine section implies."""
-    for row in reversed(run.rows):
-        if isinstance(row.get("devices"), int) and row["devices"] > 0:
+    for row in reversed(run.rows):  # a float when hosts share GPUs (engine.gpus_per_worker < 1)
+        if isinstance(row.get("devices"), (int, float)) and row["devices"] > 0:
             return row["devices"]
     return _placement(run.config)[0]
 
@@ -195,7 +195,7 @@ def seed_row(run: Run) -> dict[str, str]:
     text = lambda v, spec="": "?" if v is None else format(v, spec)  # noqa: E731
     return {
         "Run": run.name, "Model": _model_name(g("model.path") or "?"), "Algorithm": algorithm,
-        "Hybrid Engine": hybrid_text, "# Cards": str(devices), "Reward Fn": reward,
+        "Hybrid Engine": hybrid_text, "# Cards": f"{devices:g}", "Reward Fn": reward,
         "Async Strategy": _async_strategy(cfg), "# GPUs actor / rollout": placement, "Batch Size": batch,
         "rollout.n": text(n), "Learning Rate": text(lr, "g"), "# Val Samples": text(val_n),
         "Throughput (images/s/GPU)": text(tput, ".3g"), "# GPU Hour": hours,

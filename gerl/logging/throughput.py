@@ -31,7 +31,7 @@ def _num(row: Mapping, key: str) -> float:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else 0.0
 
 
-def images_per_s_per_device(images: int, step_s: float, devices: int) -> float | None:
+def images_per_s_per_device(images: int, step_s: float, devices: float) -> float | None:
     """Images generated in a step / (step wall seconds × devices in use); None when step_s or devices is 0."""
     if step_s <= 0 or devices <= 0:
         return None
@@ -43,7 +43,7 @@ def row_wall_s(row: Mapping) -> float:
     return _num(row, "step_s") + _num(row, "validate_s")
 
 
-def gpu_hours(rows: Sequence[Mapping], devices: int) -> list[float]:
+def gpu_hours(rows: Sequence[Mapping], devices: float) -> list[float]:
     """Cumulative GPU-hours after each row: devices × Σ (step_s + validate_s) / 3600. Returns len(rows) floats."""
     out, total = [], 0.0
     for row in rows:
@@ -52,7 +52,7 @@ def gpu_hours(rows: Sequence[Mapping], devices: int) -> list[float]:
     return out
 
 
-def gpu_hours_to_target(rows: Sequence[Mapping], devices: int, target: float, hold: int = 1) -> float | None:
+def gpu_hours_to_target(rows: Sequence[Mapping], devices: float, target: float, hold: int = 1) -> float | None:
     """GPU-hours at the first validation that reaches `target` and holds it.
 
     A validation row is one whose val_reward_mean is a number. Validation i counts when val_reward_mean ≥ target
@@ -224,7 +224,7 @@ def peak_tflops_for(device_name: str, dtype: str, tf32: bool = False) -> float:
     return 0.0
 
 
-def mfu(flops: float, seconds: float, devices: int, peak_tflops: float) -> float | None:
+def mfu(flops: float, seconds: float, devices: float, peak_tflops: float) -> float | None:
     """Model FLOPs utilisation = flops / (seconds × devices × peak_tflops·1e12), in [0, 1]; None when the peak
     is unknown (0) or seconds/devices are 0."""
     if peak_tflops <= 0 or seconds <= 0 or devices <= 0:
@@ -275,7 +275,7 @@ class ThroughputTracker:
     hours at the first of them, as `gpu_hours_to_target` computes it from the rows).
     """
 
-    def __init__(self, devices: int, target: float, hold: int, peak_tflops: float = 0.0, device=None,
+    def __init__(self, devices: float, target: float, hold: int, peak_tflops: float = 0.0, device=None,
                  flops: StepFlopsModel | None = None, cores_per_device: int | None = None):
         self.devices, self.target, self.hold = devices, target, hold
         self.cores_per_device = cores_per_device  # CPU runs: cores each device uses (the report's core-hours)
@@ -353,7 +353,7 @@ def model_config_for(model_path: str, pipe=None) -> tuple[dict, int] | None:
     return dict(t), 2 ** (len(v["block_out_channels"]) - 1)
 
 
-def tracker_for(cfg, devices: int = 1, pipe=None) -> ThroughputTracker:
+def tracker_for(cfg, devices: float = 1, pipe=None) -> ThroughputTracker:
     """The trainer's ThroughputTracker for a run of `cfg` (a gerl Config) on `devices` devices.
 
     The MFU peak is cfg.metrics.peak_tflops, or guessed from the first CUDA device's name in cfg.model.dtype;

@@ -139,6 +139,10 @@ def test_seed_row_reads_engine_and_schedule_and_counts_hours_to_target():
     assert r["Async Strategy"] == "sync" and r["Hybrid Engine"] == "yes" and r["# Cards"] == "2"
     logged = [dict(x, devices=4) for x in rows]  # a logged device count wins over the config
     assert seed_row(fake_run(cfg, logged))["# Cards"] == "4"
+    shared = [dict(x, devices=1.0) for x in rows]  # 1 actor + 1 rollout host at engine.gpus_per_worker=0.5: one GPU
+    r = seed_row(fake_run(cfg, shared))
+    assert r["# Cards"] == "1" and r["Throughput (images/s/GPU)"] == f"{64 / 3600:.3g}"
+    assert r["# GPU Hour"].startswith("1.1 (to val ≥ 0.8)")  # 1 GPU × (0.1 h + 1 h)
 
 
 def test_validation_grids_have_caption_sidecars_in_tile_order(report_runs):
