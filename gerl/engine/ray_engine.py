@@ -252,7 +252,8 @@ class RayEngine:
         hosts = n_actor if g.hybrid else n_actor + n_roll
         self._check_resources(hosts)
         # devices in use, for images/s/device and GPU-hours: 1 actor + 1 rollout at 0.5 GPU each is one GPU
-        self.devices = hosts * g.gpus_per_worker if self.use_gpu else hosts
+        share = hosts * g.gpus_per_worker if self.use_gpu else hosts
+        self.devices = int(share) if share == int(share) else share  # logged as 1, not 1.0, when shares fill GPUs
         self.actor_devices, self.rollout_devices = n_actor, (n_actor if g.hybrid else n_roll)
         lora = cfg.model.lora
         self.sync_mode = g.weight_sync if g.weight_sync != "auto" else (
