@@ -2,6 +2,7 @@
 tags. wandb cannot reach a server here, so it runs in its real offline mode (WANDB_MODE=offline)."""
 
 import json
+import re
 
 import pytest
 
@@ -33,7 +34,8 @@ def test_wandb_resume_continues_the_same_run_with_name_and_tags(tmp_path, monkey
     resumed.log(2, {"reward_mean": 2.0})
     resumed.close()
     runs = sorted(p.name for p in (tmp_path / "wandb").glob("offline-run-*"))
-    assert len(runs) == 2 and all(r.endswith(run_id) for r in runs)
+    # wandb names each directory offline-run-<time>-<id>, adding "-1" when both start within the same second
+    assert len(runs) == 2 and all(re.fullmatch(rf"offline-run-\d{{8}}_\d{{6}}-{run_id}(-\d+)?", r) for r in runs), runs
 
     fresh = tmp_path / "other"
     fresh.mkdir()
