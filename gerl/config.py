@@ -589,6 +589,14 @@ def validate(cfg: Config) -> list[str]:
     return e if e else _relations(cfg)
 
 
+def weight_sync_mode(cfg: Config) -> str:
+    """engine.weight_sync with "auto" resolved: the object store for LoRA or the stream schedule, else broadcast."""
+    g = cfg.engine
+    if g.weight_sync != "auto":
+        return g.weight_sync
+    return "object_store" if cfg.model.lora or g.schedule == "stream" else "broadcast"
+
+
 def _relations(cfg: Config) -> list[str]:
     e = []
     d, s, t = cfg.data, cfg.sampling, cfg.train
@@ -627,8 +635,7 @@ def _relations(cfg: Config) -> list[str]:
     elif g.hybrid and g.actor_workers != g.rollout_workers:
         e.append(f"engine.hybrid=true colocates one actor and one rollout per device: actor_workers "
                  f"({g.actor_workers}) must equal rollout_workers ({g.rollout_workers})")
-    broadcast = not g.hybrid and (g.weight_sync == "broadcast" or (
-        g.weight_sync == "auto" and not cfg.model.lora and g.schedule != "stream"))
+    broadcast = not g.hybrid and weight_sync_mode(cfg) == "broadcast"
     if g.kind == "ray" and g.device != "cpu" and g.gpus_per_worker < 1 and (g.actor_workers > 1 or broadcast):
         e.append(f"engine.gpus_per_worker={g.gpus_per_worker} packs hosts onto one GPU, where NCCL cannot join two ranks "
                  "(data-parallel actors or a weight broadcast); use engine.actor_workers=1 and sync through the object "

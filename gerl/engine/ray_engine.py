@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from gerl.config import weight_sync_mode
 from gerl.errors import RunAborted, UserError
 from gerl.workers.batch import merge
 from gerl.workers.reward import merge_results
@@ -255,9 +256,7 @@ class RayEngine:
         share = hosts * g.gpus_per_worker if self.use_gpu else hosts
         self.devices = int(share) if share == int(share) else share  # logged as 1, not 1.0, when shares fill GPUs
         self.actor_devices, self.rollout_devices = n_actor, (n_actor if g.hybrid else n_roll)
-        lora = cfg.model.lora
-        self.sync_mode = g.weight_sync if g.weight_sync != "auto" else (
-            "object_store" if lora or g.schedule == "stream" else "broadcast")
+        self.sync_mode = weight_sync_mode(cfg)
         broadcast = not g.hybrid and self.sync_mode == "broadcast"
         # One process group: actor ranks 0..N-1 (data parallel), plus the rollouts when weights are broadcast.
         world = n_actor + n_roll if broadcast else n_actor

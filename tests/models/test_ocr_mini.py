@@ -1,7 +1,6 @@
 """ocr-mini: the pretraining script is seeded and writes a stock diffusers pipeline; the shipped model loads by name;
 its held-out prompts never occur in training."""
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -13,15 +12,13 @@ from gerl.config import load_config
 from gerl.errors import UserError
 from gerl.models.loader import SHIPPED_MODELS, load_pipeline, resolve_model_path
 from rewards.ocr import extract_target
+from tests.scripts import load_script
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _pretrain_module():
-    spec = importlib.util.spec_from_file_location("pretrain_ocr_mini", REPO / "scripts" / "pretrain_ocr_mini.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("pretrain_ocr_mini")
 
 
 _POOLED_W = "time_text_embed.text_embedder.linear_2.weight"

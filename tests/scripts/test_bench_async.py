@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 import threading
@@ -15,19 +14,13 @@ from PIL import Image
 
 from gerl.errors import UserError
 from rewards.jpeg import jpeg_kb
+from tests.scripts import load_script
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bench = _load("bench_async")
-remote = _load("remote_reward")
+bench = load_script("bench_async")
+remote = load_script("remote_reward")
 
 PROFILE = {"generate_s": 1.0, "decode_s": 0.2, "reward_compute_s": 0.8, "train_s": 0.5}
 

@@ -7,22 +7,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.scripts import load_script
 
-
-def _load():
-    spec = importlib.util.spec_from_file_location("bench_gpu", REPO / "scripts" / "bench_gpu.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bench = _load()
+bench = load_script("bench_gpu")
 
 
 def test_tiny_run_compares_with_stock_checks_ratios_and_attributes_memory(tmp_path, capsys):
@@ -36,7 +27,11 @@ def test_tiny_run_compares_with_stock_checks_ratios_and_attributes_memory(tmp_pa
     line = next(ln for ln in printed.splitlines() if ln.startswith("BENCH_JSON "))
     assert json.loads(line.split(" ", 1)[1]) == summary
 
-    assert summary["text_encoders"] and summary["modes"]["none"]["encode_s"] > 0
+    m = summary["modes"]["none"]  # the GPU benchmark's own step (denoise, decode, ActorWorker.update, FLOPs/MFU)
+    assert summary["images_per_step"] == 8 and summary["step_tflop"] > 0
+    assert m["images_per_s_per_gpu"] > 0 and m["generate_s"] > 0 and m["train_s"] > 0
+    assert m["mfu"] is None  # CPU: no known peak
+    assert summary["text_encoders"] and m["encode_s"] > 0
     c = summary["stock"]
     assert c["ours_images_per_s"] > 0 and c["stock_images_per_s"] > 0 and c["output_type"] == "pil"
     assert c["ratio"] == pytest.approx(c["ours_images_per_s"] / c["stock_images_per_s"], rel=1e-12)

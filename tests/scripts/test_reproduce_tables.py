@@ -3,20 +3,16 @@ one-step-off) on the tiny model with the JPEG reward, whose table must hold the 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import pytest
 from PIL import Image
 
 from gerl.logging.throughput import gpu_hours_to_target
+from tests.scripts import load_script
 
-REPO = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("reproduce_tables", REPO / "scripts" / "reproduce_tables.py")
-rt = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(rt)
+rt = load_script("reproduce_tables")
 
 TINY = ["validation.every=1", "validation.num_prompts=2", "sampling.eval_num_steps=4", "data.prompts_per_step=2",
         "data.group_size=4", "sampling.num_steps=4", "sampling.sde_window_size=2", "sampling.sde_window_range=[0,3]",
