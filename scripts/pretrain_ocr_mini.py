@@ -1,7 +1,7 @@
 """Pretrain **ocr-mini**: a small SD3-architecture model that draws the quoted number of its prompt, imperfectly.
 
-    python scripts/pretrain_ocr_mini.py --out assets/models/ocr-mini          # the shipped model (~15-25 min, 2 cores)
-    python scripts/pretrain_ocr_mini.py --out /tmp/m --steps 20 --vae-steps 20  # a short run (tests)
+    python scripts/pretrain_ocr_mini.py --out assets/models/ocr-mini --threads 2  # the shipped model (~10 min, 2 cores)
+    python scripts/pretrain_ocr_mini.py --out /tmp/m --steps 20 --vae-steps 20     # a short run (tests)
 
 Everything is made here, offline and seeded: the data are 2-digit numbers drawn with Pillow's bundled font
 (`ImageFont.load_default`, the same on every machine) in 64×64 grey images at a jittered position and size; the
@@ -12,10 +12,11 @@ their character embeddings. Two settings keep it from memorising each number thr
 the whole prompt, which made the first models draw unseen numbers with the wrong digits:
 - the pooled-text projection (`time_text_embed.text_embedder`) is fixed at zero: the pooled CLIP vector is read off
   a causal encoder's last token (held-out OCR 0.28 with it, 0.50 without, 1,800 steps);
-- optionally (`--text-context token`; not the shipped model) the text encoders' self-attention outputs are fixed at
-  zero: a random encoder's attention mixes the whole prompt into the closing quote, end-of-text and padding tokens
-  (and every T5 token); zeroed, each token's embedding depends on that token and its position only (held-out
-  0.50 → 0.91 at 1,800 steps, a base with no room left for RL; at 1,000 steps 0.41, see docs/benchmarks.md).
+- the text encoders' self-attention outputs are fixed at zero (`--text-context token`, the default): a random
+  encoder's attention mixes the whole prompt into the closing quote, end-of-text and padding tokens (and every T5
+  token); zeroed, each token's embedding depends on that token and its position only (held-out 0.50 → 0.91 at
+  1,800 steps, a base with no room left for RL; hence 1,000 steps by default: about 0.5, see docs/benchmarks.md).
+The floating-point sums, and so the weights, depend on the number of torch threads: the shipped model used 2.
 The result is a diffusers directory that `StableDiffusion3Pipeline.from_pretrained` loads and that
 `model.path=ocr-mini` selects.
 
@@ -138,14 +139,18 @@ def encode_dataset(vae, variants: int, rng: random.Random) -> tuple[torch.Tensor
 
 
 def train_transformer(transformer, latents, latent_std, labels, embeds, steps, batch, lr, seed, log,
-                      caption_dropout: float = 0.0) -> None:
+                      caption_dropout: float = 0.0, caption_noise: float = 0.0) -> None:
     """SD3's rectified flow: x_t = (1 − σ) x0 + σ ε, predict v = ε − x0; σ ~ logit-normal(0, 1) shifted by the
     sampler's shift (σ ← sσ / (1 + (s − 1)σ), s = 3) as SD3 does, so training spends its effort on the high-noise
     steps where sampling decides which digits appear (a first try without the shift drew digit-like glyphs of the
     wrong identity: OCR 0.05). With `caption_dropout` > 0 that fraction of the batch is conditioned on the empty
     prompt (the last row of `embeds`, what the pipeline encodes as its negative prompt), so that classifier-free
-    guidance has an unconditional model to push away from."""
+    guidance has an unconditional model to push away from. With `caption_noise` > 0 that fraction of the batch is
+    conditioned on the caption of a random training number instead of its own (mismatched captions, as in web
+    alt-text): the model then draws the right number only part of the time, whatever the number."""
     g, g_drop = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed + 1)
+    g_noise = torch.Generator().manual_seed(seed + 2)
+    n_captions = int(max(labels)) + 1
     prompt_embeds, pooled = embeds
     opt = torch.optim.AdamW(transformer.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -161,6 +166,9 @@ def train_transformer(transformer, latents, latent_std, labels, embeds, steps, b
         s = sigma.view(-1, 1, 1, 1)
         xt = (1 - s) * x0 + s * eps
         lab = labels_t[idx]
+        if caption_noise > 0:  # its own generator, like the dropout's
+            wrong = torch.randint(n_captions, (batch,), generator=g_noise)
+            lab = torch.where(torch.rand(batch, generator=g_noise) < caption_noise, wrong, lab)
         if caption_dropout > 0:  # its own generator: the data and noise draws stay those of a run without dropout
             lab = torch.where(torch.rand(batch, generator=g_drop) < caption_dropout, len(prompt_embeds) - 1, lab)
         v = transformer(hidden_states=xt, timestep=sigma * 1000, encoder_hidden_states=prompt_embeds[lab],
@@ -198,7 +206,8 @@ def write_model_card(out: Path, card: dict) -> None:
     cmd = (f"python scripts/pretrain_ocr_mini.py --out {a['out']} --steps {a['steps']} --batch {a['batch']} "
            f"--lr {a['lr']} --vae-steps {a['vae_steps']} --variants {a['variants']} --seed {a['seed']} "
            f"--pooled {pooled} --text-context {context} --threads {a['threads']}"
-           + (f" --caption-dropout {a['caption_dropout']}" if a.get("caption_dropout") else ""))
+           + (f" --caption-dropout {a['caption_dropout']}" if a.get("caption_dropout") else "")
+           + (f" --caption-noise {a['caption_noise']}" if a.get("caption_noise") else ""))
     score = lambda k: (f"{card[k]['mean']:.3f} (exact match {card[k]['exact']:.2f}, {card[k]['n']} numbers)"  # noqa: E731
                        if k in card else "not measured (--eval-steps 0)")
     conditioning = ("the pooled-text projection is fixed at zero (`--pooled zero`), so the digits are read from the "
@@ -213,6 +222,11 @@ def write_model_card(out: Path, card: dict) -> None:
     if a.get("caption_dropout"):
         conditioning += (f" {a['caption_dropout']:.0%} of the training samples saw the empty prompt instead "
                          "(`--caption-dropout`), so classifier-free guidance works (negative prompt \"\").")
+    if a.get("caption_noise"):
+        conditioning += (f" {a['caption_noise']:.0%} of the training samples were conditioned on the caption of a "
+                         "random training number instead of their own (`--caption-noise`), as web captions often do "
+                         "not match their image: the model draws the number it is asked for only part of the time, "
+                         "and otherwise some other number.")
     (out / "README.md").write_text(f"""# ocr-mini
 
 A 2.3M-parameter Stable Diffusion 3 architecture (`SD3Transformer2DModel`: 4 joint blocks, 4 heads × 32, patch 2,
@@ -221,8 +235,9 @@ encoders and tokenizers of `gerl.models.tiny`, random and frozen) that draws the
 such as `{TEMPLATE.format("42")}` as a 64×64 grey image — imperfectly, so that RL with the OCR reward has room to
 improve it. Loads with stock `StableDiffusion3Pipeline.from_pretrained`; in gerl, `model.path=ocr-mini`.
 It was trained with 32 T5 tokens: call the stock pipeline with `max_sequence_length=32`. Its default, 256, adds
-224 padding tokens the model never saw, and the shipped model then draws no legible digits (held-out OCR, 8 images
-per number, 20 steps: 0.57 at 32 tokens, 0.01 at 256). gerl passes `model.max_sequence_length` (32 in the recipes).
+224 padding tokens the model never saw, and the drawings suffer (held-out OCR of the shipped model, 8 images per
+number, 20 steps, `gerl eval` seed 1234: 0.54 at 32 tokens, 0.35 at 256; the first, full-context model drew no
+legible digits at 256). gerl passes `model.max_sequence_length` (32 in the recipes).
 
 - **Data**: the {len(TRAIN)} two-digit strings not held out, drawn by Pillow's bundled font at 27–29 px, position
   jittered by ±3 px, {a['variants']} renderings each. Held out (never seen here, nor in the RL training prompts):
@@ -248,7 +263,7 @@ def write_prompts(directory: Path) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="output diffusers directory (replaced if it exists)")
-    ap.add_argument("--steps", type=int, default=1800, help="transformer training steps")
+    ap.add_argument("--steps", type=int, default=1000, help="transformer training steps")
     ap.add_argument("--batch", type=int, default=64, help="transformer batch size")
     ap.add_argument("--lr", type=float, default=1e-3, help="transformer peak learning rate (warm-up 100, cosine to 10%)")
     ap.add_argument("--vae-steps", type=int, default=300, help="VAE training steps (batch 32)")
@@ -259,14 +274,17 @@ def main(argv=None) -> int:
     ap.add_argument("--pooled", choices=("zero", "use"), default="zero",
                     help="zero (default): the pooled-text projection is fixed at zero, so the transformer must read the "
                          "digits from the token sequence; use: train it (the model then memorises each number)")
-    ap.add_argument("--text-context", choices=("full", "token"), default="full",
-                    help="full (default, the shipped model): keep the random text encoders' attention, so every token "
-                         "after the first digit carries a hash of the whole number; token: fix their self-attention "
-                         "outputs at zero, so each token's embedding depends on that token and its position only "
-                         "(composes unseen numbers far better; docs/benchmarks.md)")
+    ap.add_argument("--text-context", choices=("full", "token"), default="token",
+                    help="token (default, the shipped model): fix the random text encoders' self-attention outputs at "
+                         "zero, so each token's embedding depends on that token and its position only (composes unseen "
+                         "numbers far better); full: keep their attention, so every token after the first digit "
+                         "carries a hash of the whole number (the first shipped models; docs/benchmarks.md)")
     ap.add_argument("--caption-dropout", type=float, default=0.0,
                     help="fraction of training samples conditioned on the empty prompt, so that the model also learns "
                          "the unconditional velocity that classifier-free guidance needs (default 0: no guidance)")
+    ap.add_argument("--caption-noise", type=float, default=0.0,
+                    help="fraction of training samples conditioned on a random training number's caption instead of "
+                         "their own, so the model draws the number it is asked for only part of the time")
     ap.add_argument("--write-prompts", default="", help="also write train.txt/test.txt prompt files to this directory")
     args = ap.parse_args(argv)
     if args.steps < 1 or args.vae_steps < 1 or args.batch < 1 or args.variants < 1:
@@ -275,6 +293,9 @@ def main(argv=None) -> int:
     if not 0.0 <= args.caption_dropout < 1.0:
         print(f"pretrain_ocr_mini: --caption-dropout {args.caption_dropout} must be in [0, 1) (e.g. 0.1)",
               file=sys.stderr)
+        return 2
+    if not 0.0 <= args.caption_noise < 1.0:
+        print(f"pretrain_ocr_mini: --caption-noise {args.caption_noise} must be in [0, 1) (e.g. 0.4)", file=sys.stderr)
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -320,7 +341,7 @@ def main(argv=None) -> int:
         embeds, _, pooled, _ = pipe.encode_prompt(prompt=texts, prompt_2=None, prompt_3=None,
                                                   do_classifier_free_guidance=False, max_sequence_length=32)
     train_transformer(transformer, latents, latent_std, labels, (embeds, pooled), args.steps, args.batch, args.lr,
-                      args.seed, log, args.caption_dropout)
+                      args.seed, log, args.caption_dropout, args.caption_noise)
     for m in (transformer, vae):
         m.requires_grad_(False)
 

@@ -53,13 +53,13 @@ def test_pretraining_is_seeded_and_writes_a_stock_pipeline(tmp_path):
     # output cannot depend on the pooled vector (a hash of the whole prompt) and must read the digits' tokens
     proj = pipe.transformer.time_text_embed.text_embedder.linear_2
     assert not proj.weight.any() and not proj.bias.any()
-    used = _short_run(mod, tmp_path / "d", extra=["--pooled", "use", "--text-context", "token"])
+    used = _short_run(mod, tmp_path / "d", extra=["--pooled", "use", "--text-context", "full"])
     assert used[_POOLED_W].any(), "--pooled use must train the pooled projection"
-    # --text-context token: prompts that differ in one digit differ in that digit's tokens only (one in the CLIP
-    # part, one in the T5 part), and swapped digits still differ (CLIP's absolute positions); with the random
-    # encoders' attention kept (full, the default), every token after the first digit carries the whole number
-    assert _differing_tokens(tmp_path / "d", "65", "15") == 2 and _differing_tokens(tmp_path / "d", "65", "56") == 4
-    assert _differing_tokens(tmp_path / "a", "65", "15") > 20
+    # --text-context token (the default): prompts that differ in one digit differ in that digit's tokens only (one in
+    # the CLIP part, one in the T5 part), and swapped digits still differ (CLIP's absolute positions); with the random
+    # encoders' attention kept (full), every token after the first digit carries the whole number
+    assert _differing_tokens(tmp_path / "a", "65", "15") == 2 and _differing_tokens(tmp_path / "a", "65", "56") == 4
+    assert _differing_tokens(tmp_path / "d", "65", "15") > 20
 
 
 def _differing_tokens(model_dir: Path, a: str, b: str) -> int:
@@ -94,7 +94,8 @@ def test_shipped_model_loads_by_name_and_recipe_holds_out_its_test_targets():
     card = json.loads((SHIPPED_MODELS["ocr-mini"] / "pretrain.json").read_text())
     assert 0.0 < card["ocr_held_out"]["mean"] < 1.0  # the base model is imperfect: room for RL to improve
     assert card["args"]["pooled"] == "zero" and not pipe.transformer.time_text_embed.text_embedder.linear_2.weight.any()
-    assert card["args"].get("text_context", "full") == "full"  # the shipped model predates --text-context
+    assert card["args"]["text_context"] == "token" and card["args"]["threads"] == 2
+    assert _differing_tokens(SHIPPED_MODELS["ocr-mini"], "65", "15") == 2
     cfg = load_config(str(REPO / "recipes" / "ocr_mini.yaml"))
     assert cfg.model.path == "ocr-mini"
     targets = lambda f: {extract_target(line) for line in (REPO / f).read_text().splitlines() if line.strip()}  # noqa: E731
@@ -123,13 +124,13 @@ class _RecordingTransformer(torch.nn.Module):
         return (hidden_states * self.w,)
 
 
-def _conditioning(mod, caption_dropout: float, rows: int) -> list[int]:
+def _conditioning(mod, caption_dropout: float, rows: int, caption_noise: float = 0.0) -> list[int]:
     n, steps, batch = 5, 40, 16
     latents, std = torch.randn(n, 2, 4, 4), torch.zeros(n, 2, 4, 4)
     embeds = torch.eye(rows).unsqueeze(1)  # row i: the embedding of prompt i (row n: the empty prompt, when present)
     t = _RecordingTransformer()
     mod.train_transformer(t, latents, std, list(range(n)), (embeds, torch.zeros(rows, 4)), steps, batch, 1e-3, 0,
-                          lambda _: None, caption_dropout)
+                          lambda _: None, caption_dropout, caption_noise)
     assert len(t.seen) == steps * batch
     return t.seen
 
@@ -145,8 +146,24 @@ def test_caption_dropout_conditions_that_fraction_on_the_empty_prompt_and_is_off
     assert all(d in (p, 5) for d, p in zip(dropped, plain))
 
 
+def test_caption_noise_swaps_that_fraction_for_another_numbers_caption_never_the_empty_prompt():
+    mod = _pretrain_module()
+    plain = _conditioning(mod, 0.0, rows=5)
+    noisy = _conditioning(mod, 0.0, rows=5, caption_noise=0.5)
+    swapped = sum(a != b for a, b in zip(noisy, plain)) / len(plain)
+    # half the samples get a random one of the 5 captions, which is another number's 4 times in 5: about 0.4
+    assert 0.32 < swapped < 0.48, f"{swapped:.3f} of the captions were swapped, expected about 0.4"
+    assert set(noisy) == set(range(5))
+    both = _conditioning(mod, 0.25, rows=6, caption_noise=0.5)  # dropout still the only way to the empty prompt
+    assert 0.18 < sum(i == 5 for i in both) / len(both) < 0.32
+    assert all(b == 5 or b == n for b, n in zip(both, noisy))
+
+
 def test_caption_dropout_outside_0_1_is_a_clear_error(tmp_path, capsys):
     mod = _pretrain_module()
     assert mod.main(["--out", str(tmp_path / "m"), "--caption-dropout", "1.0"]) == 2
     assert "--caption-dropout 1.0 must be in [0, 1)" in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()
+    assert mod.main(["--out", str(tmp_path / "m"), "--caption-noise", "-0.1"]) == 2
+    assert "--caption-noise -0.1 must be in [0, 1)" in capsys.readouterr().err
     assert not (tmp_path / "m").exists()
