@@ -77,6 +77,7 @@ def save_checkpoint(run_dir: Path, step: int, actor, extra_state: dict, keep_las
         "policy_version": actor.version,
         "optimizer": opt_meta,
         "lr_scheduler": actor.lr_scheduler.state_dict(),
+        "loss_scaler": actor.scaler.state_dict() if actor.scaler is not None else None,
         "python_rng": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
         "numpy_rng": [np_state[0], np_state[1].tolist(), *np_state[2:]],
         **extra_state,
@@ -181,6 +182,8 @@ def load_checkpoint(path: Path, actor) -> dict:
         ema = load_file(str(path / "ema.safetensors"))
         for (n, _), s in zip(actor.named_params, actor.ema.shadow):
             s.copy_(ema[n])
+    if actor.scaler is not None and state.get("loss_scaler"):
+        actor.scaler.load_state_dict(state["loss_scaler"])
     actor.version = state["policy_version"]
     torch.set_rng_state(load_file(str(path / "rng.safetensors"))["torch_cpu"])
     py = state["python_rng"]

@@ -13,25 +13,12 @@ import threading
 from pathlib import Path
 
 from gerl.errors import Interrupted, RunAborted, UserError
+from gerl.logging.quiet import quiet_libraries
 
 # Before torch loads OpenMP: idle threads sleep instead of spinning. On a busy CPU a spinning thread holds a core that
 # another thread (the reward, a second worker) needs; measured on 2 shared cores, a 2-thread training step of ocr-mini
 # took 6-15 s spinning vs 0.5-1 s passive (docs/benchmarks.md). Set OMP_WAIT_POLICY yourself to override.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-
-def _quiet_libraries() -> None:
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    from transformers.utils import logging as tl
-    from diffusers.utils import logging as dl
-
-    tl.set_verbosity_error()
-    dl.set_verbosity_error()
-    tl.disable_progress_bar()
-    dl.disable_progress_bar()
 
 
 def cmd_train(args) -> int:
@@ -41,7 +28,7 @@ def cmd_train(args) -> int:
     if args.print_config:
         print(resolved_config_yaml(cfg), end="")
         return 0
-    _quiet_libraries()
+    quiet_libraries()
     from gerl.trainer import train
 
     # `kill PID` (SIGTERM) unwinds like Ctrl-C while loading, so cleanup (a Ray this run started) still runs;
@@ -182,7 +169,7 @@ def _json_safe(v):
 
 
 def _pipeline_for(args):
-    _quiet_libraries()
+    quiet_libraries()
     from gerl.config import SamplingConfig
     from gerl.models.loader import TextEmbedder, load_lora_into_pipeline, load_pipeline, lora_file
     from gerl.workers.rollout import RolloutWorker

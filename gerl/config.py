@@ -27,7 +27,7 @@ from gerl.errors import UserError
 @dataclass
 class ModelConfig:
     path: str = "tiny"  # "tiny" (built offline, seeded), "ocr-mini" (shipped, draws 2-digit numbers), a local diffusers directory, or a hub id (e.g. stabilityai/stable-diffusion-3.5-medium)
-    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"  # transformer/VAE/text-encoder weights; SDE math is always fp32
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"  # transformer and text-encoder weights (the VAE always decodes in fp32; LoRA weights stay fp32; SDE math is always fp32)
     device: str = "auto"  # "auto" = cuda if available else cpu; or an explicit torch device string
     resolution: int = 64  # image side in pixels (must be divisible by the VAE factor × patch size)
     max_sequence_length: int = 32  # T5 tokens per prompt (SD3.5 uses 256; the tiny model 32)
@@ -38,6 +38,8 @@ class ModelConfig:
     init_lora: str = ""  # a directory or .safetensors of a LoRA to start from ("" = fresh adapter)
     text_cache_size: int = 4096  # prompts whose text embeddings are kept (LRU); text encoders never re-run for these
     tiny_seed: int = 0  # seed of the randomly initialised tiny model (model.path = tiny)
+    gradient_checkpointing: bool = False  # recompute each transformer block's activations in the backward pass: the actor's training peak at SD3.5-M 512² micro-batch 8 drops from ~28.5 to ~6.5 GiB for ~1/3 more training compute (`gerl plan` shows both)
+    tf32: bool = True  # TF32 tensor cores for fp32 matmuls on Ampere+ GPUs (Flow-GRPO's allow_tf32); no effect on CPU
 
 
 @dataclass
@@ -86,6 +88,7 @@ class TrainConfig:
     flip_advantage: bool = False  # negate advantages — a sanity check: the reward must then NOT rise
     loss: str = "ppo_clip"  # policy objective from gerl/algo/policy_loss.py: ppo_clip | tis | topr | cispo (off-policy corrections for stale batches)
     is_cap: float = 2.0  # loss=tis: importance weights are truncated at this value (dimensionless, > 0)
+    fp16_loss_scale: float = 65536.0  # model.dtype=fp16: initial dynamic loss scale (halved on an inf/NaN gradient, that step skipped on every rank; doubled after 2000 clean steps). 0 = off: per-element gradients of a 512² log-prob (~1e-9) then flush to zero in fp16 and nothing is learned
 
 
 @dataclass
@@ -145,7 +148,7 @@ class EngineConfig:
     actor_workers: int = 1  # N: data-parallel training ranks (devices) in the actor pool
     rollout_workers: int = 1  # M: generation workers (devices) in the rollout pool; a step's groups are split across them
     device: Literal["auto", "cpu", "cuda"] = "auto"  # what each worker's share is: a GPU each, or cpus_per_worker cores
-    cpus_per_worker: int = 1  # CPU cores pinned to each worker when device=cpu (torch threads = this)
+    cpus_per_worker: int = 0  # CPU cores per host: device=cpu pins this many (torch threads = this); device=cuda reserves them beside the GPU for the host's reward threads and data work. 0 = auto: 1 on cpu, 4 on cuda
     gpus_per_worker: float = 1.0  # each host's share of a GPU when device=cuda; 0.5 puts two hosts (1 actor + 1 rollout) on one GPU
     schedule: Literal["sync", "async", "stream"] = "sync"  # sync: generate → reward → train → sync; async: generation runs max_staleness batches ahead; stream: rollouts pull groups from one prompt stream, the trainer takes the first complete ones (docs/architecture.md)
     max_staleness: int = 1  # async: batches generated ahead of training (1 = one-step-off; ROLL's async_generation_ratio); stream: also the lag in versions beyond which a group is stale
@@ -156,6 +159,8 @@ class EngineConfig:
     sync_bucket_mb: int = 256  # bucket size of the broadcast weight sync
     ray_address: str = ""  # "" = start a local Ray; "auto" or host:port = join an existing cluster (ray start --head)
     max_rollout_restarts: int = 3  # a dead rollout worker is replaced this many times before the run fails
+    setup_timeout_s: float = 900.0  # a Ray host that has not loaded its model within this many seconds stops the run with its name and the likely cause
+    rehearse: bool = False  # run this config's GPU topology on CPU: Ray declares the GPUs it needs (one CUDA_VISIBLE_DEVICES per host), process groups use the GPU backend map with NCCL replaced by gloo, the model in model.dtype on the CPU (docs/architecture.md, "Rehearsing a GPU launcher")
 
 
 @dataclass
@@ -508,6 +513,7 @@ RANGES: dict[str, Range] = {
     "train.micro_batch_size": _ge(1),
     "train.clip_range": _gt(0),
     "train.is_cap": _gt(0),
+    "train.fp16_loss_scale": _ge(0, "0 = no loss scaling"),
     "train.adv_clip_max": _gt(0, "advantages are clamped to [−adv_clip_max, adv_clip_max]"),
     "train.beta": _ge(0),
     "train.max_grad_norm": _ge(0, "0 = no clipping"),
@@ -532,13 +538,14 @@ RANGES: dict[str, Range] = {
     "log.print_every": _ge(0, "0 = no plain progress lines"),
     "engine.actor_workers": _ge(1),
     "engine.rollout_workers": _ge(1),
-    "engine.cpus_per_worker": _ge(1),
+    "engine.cpus_per_worker": _ge(0, "0 = auto: 1 on cpu, 4 on cuda"),
     "engine.gpus_per_worker": Range(0, 1, lo_open=True),
     "engine.max_staleness": _ge(1, "1 = one-step-off"),
     "engine.stale_decay": Range(0, 1, lo_open=True),
     "engine.ratio_cap": _ge(0, "0 = off"),
     "engine.sync_bucket_mb": _ge(1),
     "engine.max_rollout_restarts": _ge(0),
+    "engine.setup_timeout_s": _gt(0),
     "metrics.target_val_reward": FINITE,
     "metrics.target_hold": _ge(1),
     "metrics.peak_tflops": _ge(0, "0 = guess from the device"),
@@ -597,6 +604,25 @@ def weight_sync_mode(cfg: Config) -> str:
     return "object_store" if cfg.model.lora or g.schedule == "stream" else "broadcast"
 
 
+def gpu_topology(cfg: Config) -> bool:
+    """Whether the engine lays its hosts out on GPUs: engine.device=cuda, auto on a machine with CUDA, or a
+    rehearsal of that layout on CPU (engine.rehearse)."""
+    g = cfg.engine
+    if g.rehearse or g.device == "cuda":
+        return True
+    if g.device == "cpu":
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def host_cpus(cfg: Config) -> int:
+    """engine.cpus_per_worker with 0 (auto) resolved: 1 core per CPU host; 4 per GPU host, so that the reward's
+    threads (OCR on the CPU: 2 by default) and data work beside the GPU are not squeezed onto one core."""
+    return cfg.engine.cpus_per_worker or (4 if gpu_topology(cfg) else 1)
+
+
 def _relations(cfg: Config) -> list[str]:
     e = []
     d, s, t = cfg.data, cfg.sampling, cfg.train
@@ -635,11 +661,13 @@ def _relations(cfg: Config) -> list[str]:
     elif g.hybrid and g.actor_workers != g.rollout_workers:
         e.append(f"engine.hybrid=true colocates one actor and one rollout per device: actor_workers "
                  f"({g.actor_workers}) must equal rollout_workers ({g.rollout_workers})")
-    broadcast = not g.hybrid and weight_sync_mode(cfg) == "broadcast"
-    if g.kind == "ray" and g.device != "cpu" and g.gpus_per_worker < 1 and (g.actor_workers > 1 or broadcast):
-        e.append(f"engine.gpus_per_worker={g.gpus_per_worker} packs hosts onto one GPU, where NCCL cannot join two ranks "
-                 "(data-parallel actors or a weight broadcast); use engine.actor_workers=1 and sync through the object "
-                 "store (LoRA, or engine.weight_sync=object_store), or gpus_per_worker=1")
+    if cfg.model.dtype == "fp16" and not cfg.model.lora:
+        e.append("model.dtype=fp16 with model.lora=false would train fp16 weights with no fp32 master copy (AdamW's "
+                 "small updates round away, and loss-scaled gradients cannot be unscaled in fp16); use bf16 or fp32 "
+                 "for full fine-tuning, or a LoRA")
+    if g.rehearse and g.device == "cpu":
+        e.append("engine.rehearse=true rehearses a GPU layout on CPU; it needs engine.device=cuda (or auto), "
+                 "as the GPU launchers set it")
     if g.schedule == "stream" and g.weight_sync == "broadcast":
         e.append("engine.schedule=stream stages weights through the object store; set engine.weight_sync=auto or object_store")
     if d.prompts_per_step % g.rollout_workers:

@@ -149,6 +149,7 @@ class Trainer:
         self._last_error = ""  # the latest reward error text, for the message that stops the run
         self._no_reward_steps = 0  # consecutive steps in which no sample got a valid reward
         self._stop_signal: int | None = None  # SIGINT/SIGTERM received: stop at the next step boundary
+        self._first_update_checked = False  # the first update's gradient is checked (first_update_warning)
         if cfg.engine.schedule == "stream":  # rollouts pull groups from one prompt stream (gerl/engine/stream.py)
             stream_state = state.get("stream") if prep.resume_from is not None else None
             self.sampler_after[(stream_state or {}).get("first_draw", 1) - 1] = self.sampler.state_dict()
@@ -159,6 +160,10 @@ class Trainer:
             tmp = self.run_dir / "config.yaml.tmp"
             tmp.write_text(to_yaml(cfg))
             tmp.replace(self.run_dir / "config.yaml")
+            # what runs where: host, roles, node, GPU ids, device, dtype, process-group backends
+            placement = getattr(self.engine, "placement", None)
+            if placement:
+                (self.run_dir / "placement.json").write_text(json.dumps(placement, indent=1) + "\n")
             (self.run_dir / "samples").mkdir(exist_ok=True)
             resume_step = self.start_step if prep.resume_from is not None else None
             self.timeline = Timeline(self.run_dir / "timeline.jsonl")
@@ -173,7 +178,8 @@ class Trainer:
                 shutil.rmtree(self.run_dir, ignore_errors=True)
             raise
         # Throughput, GPU-hours and MFU; a resumed run replays the metrics.jsonl rows the logger kept.
-        self.throughput = tracker_for(cfg, getattr(self.engine, "devices", 1), prep.pipe)
+        self.throughput = tracker_for(cfg, getattr(self.engine, "devices", 1), prep.pipe,
+                                      getattr(self.engine, "device_name", None))
         self.throughput.restore(self.run_dir / "metrics.jsonl")
         self._step_clock = time.perf_counter()  # run_step measures step_s from here or from the previous step end
 
@@ -384,6 +390,9 @@ class Trainer:
                 metrics["sync_s"] = self.engine.sync()
             metrics.update(fault_metrics)
             metrics.update(policy_lag=lag, rollout_restarts=self.engine.restarts)
+            host_peaks = [metrics[k] for k in ("actor_peak_mem_gib", "rollout_peak_mem_gib") if k in metrics]
+            if cfg.engine.kind == "ray" and host_peaks:  # the hosts' own peaks, not this driver's
+                metrics["peak_mem_gib"] = max(host_peaks)
             metrics["step_s"] = time.perf_counter() - t0
             metrics["images"] = generated
             metrics["images_per_s"] = generated / metrics["step_s"]
@@ -439,9 +448,35 @@ class Trainer:
             self.counters["nonfinite_updates_skipped"] += stats.pop("nonfinite_updates_skipped")
             m.update(stats)
             m["advantage_abs_mean"] = float(adv.abs().mean())
+            if not self._first_update_checked:
+                self._first_update_checked = True
+                warning = first_update_warning(m, self.cfg)
+                if warning:
+                    print(f"gerl: WARNING: {warning}", file=sys.stderr, flush=True)
         m["train_s"] = time.perf_counter() - t0
         m.update(self.counters)
         return m
+
+
+def first_update_warning(m: dict, cfg: Config) -> str | None:
+    """What is wrong when the run's first update learned nothing (zero, non-finite or no gradient step), or None.
+    A silent failure otherwise: fp16 without loss scaling, for one, trains nothing and raises nothing."""
+    gn, steps = m.get("grad_norm"), m.get("optimizer_steps")
+    if steps == 0:
+        why = ("every optimizer step overflowed under fp16 loss scaling (the scale halves each time; later steps "
+               "should recover)" if m.get("overflow_updates_skipped") else "every optimizer step was skipped for a "
+               "non-finite loss or gradient (see nonfinite_updates_skipped)")
+        return f"the first update took no optimizer step: {why}"
+    if gn is None or (math.isfinite(gn) and gn > 0):
+        return None
+    if not math.isfinite(gn):
+        return f"the first update's gradient norm is {gn}; check the reward and model.dtype"
+    if m.get("advantage_abs_mean", 0.0) == 0:
+        return ("the first update's gradient norm is 0 because every advantage is 0 (each group's images got equal "
+                "rewards): the reward does not tell this model's images apart; check it with `gerl score`")
+    hint = (" With model.dtype=fp16 the per-element gradients (~1e-9 at 512 px) flush to zero unless "
+            "train.fp16_loss_scale > 0; use it, or bf16." if cfg.model.dtype == "fp16" else "")
+    return f"the first update's gradient norm is 0 although the advantages are not: nothing is being learned.{hint}"
 
 
 def _finite_mean(t: torch.Tensor | None) -> float:
@@ -453,4 +488,7 @@ def _finite_mean(t: torch.Tensor | None) -> float:
 
 
 def train(cfg: Config) -> Path:
+    from gerl.engine.rehearse import adapt
+
+    cfg = adapt(cfg)  # engine.rehearse: the GPU layout on CPU (says what it changed); otherwise cfg itself
     return Trainer(cfg, prepare(cfg)).fit()

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from PIL import Image, ImageDraw, ImageFont  # noqa: E402
 
-from gerl.cli import _quiet_libraries  # noqa: E402
+from gerl.logging.quiet import quiet_libraries  # noqa: E402
 from gerl.config import RewardComponent  # noqa: E402
 from gerl.workers.reward import RewardSet  # noqa: E402
 from rewards.registry import build_reward  # noqa: E402
@@ -62,7 +62,7 @@ def main() -> None:
     ap.add_argument("--images", type=int, default=16)
     ap.add_argument("--batch", type=int, default=8, help="images per micro-batch (and per forward pass)")
     args = ap.parse_args()
-    _quiet_libraries()
+    quiet_libraries()
     imgs, prompts = images(args.images)
     mb = args.batch
     with tempfile.TemporaryDirectory() as tmp:

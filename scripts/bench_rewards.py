@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for the tests/ h
 
 from PIL import Image, ImageDraw, ImageFont  # noqa: E402
 
-from gerl.cli import _quiet_libraries  # noqa: E402
+from gerl.logging.quiet import quiet_libraries  # noqa: E402
 from gerl.config import RewardComponent  # noqa: E402
 from gerl.workers.reward import RewardSet  # noqa: E402
 from rewards.registry import build_reward  # noqa: E402
@@ -115,7 +115,7 @@ def bench_overlap() -> None:
 
 
 def main() -> None:
-    _quiet_libraries()
+    quiet_libraries()
     which = (sys.argv[1] if len(sys.argv) > 1 else "ocr,vlm,overlap").split(",")
     for name in which:
         {"ocr": bench_ocr, "vlm": bench_vlm, "overlap": bench_overlap}[name]()

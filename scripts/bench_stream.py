@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from gerl.cli import _quiet_libraries
+from gerl.logging.quiet import quiet_libraries
 from gerl.config import load_config
 from gerl.trainer import Trainer, prepare
 
@@ -71,7 +71,7 @@ def main() -> None:
     ap.add_argument("--modes", default="async,stream")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
-    _quiet_libraries()
+    quiet_libraries()
     root = Path(tempfile.mkdtemp(prefix="gerl_bench_stream_"))
     cfg = load_config(args.config, args.overrides)
     n = cfg.data.group_size

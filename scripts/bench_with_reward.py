@@ -15,7 +15,7 @@ import statistics
 import sys
 import time
 
-from gerl.cli import _quiet_libraries
+from gerl.logging.quiet import quiet_libraries
 from gerl.config import load_config
 from gerl.trainer import Trainer, prepare
 
@@ -25,7 +25,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6, help="steps per mode")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
-    _quiet_libraries()
+    quiet_libraries()
     cfg = load_config("recipes/tiny_cpu.yaml", [
         "output_dir=runs/bench_with_reward", "overwrite=true", "reward.name=ocr", "log.tensorboard=false",
         "log.progress_bar=false", "validation.every=-1", "data.prompts_per_step=4", "data.group_size=8",

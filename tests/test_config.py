@@ -203,16 +203,17 @@ def test_stream_schedule_checks():
     assert cfg.engine.schedule == "stream" and cfg.engine.stale == "downweight"
 
 
-def test_fractional_gpu_hosts_only_where_no_nccl_group_spans_one_gpu():
+def test_fractional_gpu_hosts_are_accepted_and_fp16_full_fine_tuning_is_not():
     one_gpu = ["engine.kind=ray", "engine.hybrid=false", "engine.device=cuda", "engine.gpus_per_worker=0.5"]
-    cfg = load_config(None, one_gpu)  # 1 actor + 1 rollout, LoRA: weights go through the object store
-    assert cfg.engine.gpus_per_worker == 0.5
-    for extra in (["model.lora=false"], ["engine.weight_sync=broadcast"],
+    # hosts sharing a GPU: NCCL cannot join them, so their groups carry CUDA tensors with gloo (tests/engine/test_dist.py)
+    for extra in ([], ["model.lora=false"], ["engine.weight_sync=broadcast"],
                   ["engine.actor_workers=2", "train.mini_batch_size=32"]):
-        with pytest.raises(UserError, match=r"gpus_per_worker=0.5 packs hosts onto one GPU, where NCCL cannot"):
-            load_config(None, [*one_gpu, *extra])
-    load_config(None, [*one_gpu, "model.lora=false", "engine.weight_sync=object_store"])  # full weights, object store
-    load_config(None, [*one_gpu, "model.lora=false", "engine.device=cpu"])  # a GPU share means nothing on CPU
+        assert load_config(None, [*one_gpu, *extra]).engine.gpus_per_worker == 0.5
     for bad in ("0", "1.5", "-0.5"):
         with pytest.raises(UserError, match=rf"engine.gpus_per_worker={bad}"):
             load_config(None, ["engine.kind=ray", f"engine.gpus_per_worker={bad}"])
+    with pytest.raises(UserError, match="model.dtype=fp16 with model.lora=false would train fp16 weights"):
+        load_config(None, ["model.dtype=fp16", "model.lora=false"])
+    load_config(None, ["model.dtype=bf16", "model.lora=false"])
+    with pytest.raises(UserError, match="engine.rehearse=true rehearses a GPU layout on CPU; it needs engine.device=cuda"):
+        load_config(None, ["engine.rehearse=true", "engine.device=cpu"])

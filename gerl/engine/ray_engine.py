@@ -1,4 +1,4 @@
-"""Ray placement: actor and rollout roles as Ray actors on resource pools.
+"""Ray placement: actor and rollout roles as Ray actors (gerl/engine/host.py) on resource pools.
 
 hybrid=true : N hosts, each holding both roles on one shared model (generation is sharded over the hosts, training
               is data-parallel across them; weights never move).
@@ -6,8 +6,10 @@ hybrid=false: N actor hosts (data-parallel training) + M rollout hosts (sharded 
               actor's trained tensors (the adapter only, for LoRA) go to every rollout: through the object store
               (non-blocking) or a bucketed torch.distributed broadcast from actor rank 0.
 
-Works on GPUs (one per host) and on CPU for tests (cpus_per_worker cores pinned per host). A dead rollout host is
-replaced and its in-flight shards re-issued; a dead actor host stops the run with the last checkpoint intact.
+Works on GPUs (one per host, or a share: engine.gpus_per_worker), on CPU (cpus_per_worker cores pinned per host),
+and as a rehearsal of a GPU layout on CPU (engine.rehearse: Ray declares the GPUs, gloo stands in for NCCL). A dead
+rollout host is replaced and its in-flight shards re-issued; a dead actor host stops the run with the last
+checkpoint intact.
 """
 
 from __future__ import annotations
@@ -17,182 +19,16 @@ import os
 import socket
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-from gerl.config import weight_sync_mode
+from gerl.config import gpu_topology, host_cpus, weight_sync_mode
+from gerl.engine import dist as gdist
+from gerl.engine import resources
+from gerl.engine.host import Host
 from gerl.errors import RunAborted, UserError
 from gerl.workers.batch import merge
 from gerl.workers.reward import merge_results
-
-
-class Host:
-    """One Ray actor process: builds the roles it is given (the same classes the local engine uses)."""
-
-    def __init__(self, cfg, roles: tuple[str, ...], rank: int, world: int, actor_world: int, cores,
-                 sync_ranks: list[int] | None):
-        from gerl.cli import _quiet_libraries
-
-        _quiet_libraries()
-        from gerl.engine.roles import pin_cpus
-
-        pin_cpus(cores)
-        self.cfg, self.roles, self.rank, self.world = cfg, roles, rank, world
-        self.actor_world, self.sync_ranks = actor_world, sync_ranks
-        self.dp_group = self.sync_group = self.rollout = self.actor = None
-
-    def rendezvous(self) -> str:
-        """This host's node address and a free port: rank 0 serves the torch.distributed store (any node)."""
-        import ray
-
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return f"{ray.util.get_node_ip_address()}:{s.getsockname()[1]}"
-
-    def setup(self, dist_addr: str | None) -> int:
-        """Join the process group (if any), then build the roles on one shared pipeline."""
-        from gerl.engine.roles import ActorRole, RolloutRole, build_pipeline
-
-        if self.world > 1:
-            import torch.distributed as dist
-
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-            dist.init_process_group(backend, init_method=f"tcp://{dist_addr}", rank=self.rank, world_size=self.world)
-            # Every process creates every group, in the same order (a torch.distributed rule).
-            self.dp_group = dist.new_group(list(range(self.actor_world))) if self.actor_world > 1 else None
-            self.sync_group = dist.new_group(self.sync_ranks) if self.sync_ranks else None
-        pipe = build_pipeline(self.cfg)
-        self.rollout = RolloutRole(self.cfg, pipe) if "rollout" in self.roles else None
-        grad_sync = self._grad_sync if self.dp_group is not None else None
-        if "actor" in self.roles:
-            self.actor = ActorRole(self.cfg, pipe, self.rank, self.actor_world, grad_sync=grad_sync)
-        return os.getpid()
-
-    def _grad_sync(self, params, finite: bool) -> bool:
-        """Average gradients over the data-parallel ranks; all skip the step if any rank saw a non-finite loss."""
-        import torch.distributed as dist
-
-        flag = torch.tensor([0.0 if finite else 1.0])
-        dist.all_reduce(flag, group=self.dp_group)
-        n = dist.get_world_size(self.dp_group)
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, group=self.dp_group)
-            p.grad /= n
-        return bool(flag.item() == 0)
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    # rollout role
-    def generate(self, prompts, metadata, group_ids, step, offset):
-        return self.rollout.generate(prompts, metadata, group_ids, step, offset)
-
-    def validate(self, prompts, metadata, weights=None):
-        if weights is None:
-            return self.rollout.validate(prompts, metadata)
-        # clone: on CPU in fp32, weights() hands back the live parameters, which the EMA load would overwrite
-        current = {n: t.clone() for n, t in self.rollout.weights().items()}
-        self.rollout.load_weights(weights, self.rollout.version)
-        try:
-            return self.rollout.validate(prompts, metadata)
-        finally:
-            self.rollout.load_weights(current, self.rollout.version)
-
-    def start(self, prompts, metadata, group_ids, step, offset):
-        return self.rollout.start(prompts, metadata, group_ids, step, offset)
-
-    def finish(self, key):
-        return self.rollout.finish(key)
-
-    def stage_weights(self, state, version) -> float:
-        return self.rollout.stage_weights(state, version)
-
-    def load_weights(self, state, version) -> float:
-        t0 = time.perf_counter()
-        self.rollout.load_weights(state, version)
-        return time.perf_counter() - t0
-
-    def rollout_weights(self):
-        return self.rollout.weights()
-
-    def recv_broadcast(self, version, bucket_mb) -> float:
-        t0 = time.perf_counter()
-        params = dict(self.rollout.pipe.transformer.named_parameters())
-        _broadcast([params[n] for n in self.rollout.names], self.sync_group, bucket_mb, src=0, receive=True)
-        self.rollout.worker.policy_version = version
-        return time.perf_counter() - t0
-
-    # actor role
-    def update(self, batch, advantages, step):
-        t0 = time.time()
-        m = self.actor.update(batch, advantages, step)
-        m["_span"] = {"name": "train", "start": t0, "end": time.time()}
-        if self.rollout is not None:  # hybrid: the colocated rollout uses these very weights
-            self.rollout.worker.policy_version = self.actor.version
-        return m
-
-    def actor_weights(self, ema: bool = False):
-        if ema and self.actor.worker.ema is not None:
-            return {n: s.float().cpu() for (n, _), s in zip(self.actor.worker.named_params, self.actor.worker.ema.shadow)}
-        return self.actor.weights()
-
-    def send_broadcast(self, bucket_mb) -> float:
-        t0 = time.perf_counter()
-        _broadcast(self.actor.worker.params, self.sync_group, bucket_mb, src=0, receive=False)
-        return time.perf_counter() - t0
-
-    def actor_version(self) -> int:
-        return self.actor.version
-
-    def older_versions(self):
-        return self.actor.older_versions()
-
-    def save(self, run_dir, step, extra, keep_last):
-        self.actor.save(run_dir, step, extra, keep_last)
-
-    def load(self, path):
-        state = self.actor.load(Path(path))
-        if self.rollout is not None:
-            self.rollout.worker.policy_version = self.actor.version
-        return state
-
-    def close(self):
-        if self.rollout is not None:
-            self.rollout.close()
-
-
-@torch.no_grad()
-def _broadcast(params: list[torch.Tensor], group, bucket_mb: int, src: int, receive: bool) -> None:
-    """Broadcast tensors from `src` in flat fp32 buckets of ≤ bucket_mb; receivers copy each bucket as it lands."""
-    import torch.distributed as dist
-
-    limit = max(1, bucket_mb * 2**20 // 4)
-    bucket: list[torch.Tensor] = []
-
-    def flush():
-        if not bucket:
-            return
-        # NCCL needs CUDA tensors, gloo CPU ones: keep the bucket on the parameters' own device
-        flat = torch.cat([p.detach().float().flatten() for p in bucket]).to(bucket[0].device)
-        dist.broadcast(flat, src=src, group=group)
-        if receive:
-            off = 0
-            for p in bucket:
-                p.copy_(flat[off:off + p.numel()].view_as(p).to(p.device, p.dtype))
-                off += p.numel()
-        bucket.clear()
-
-    size = 0
-    for p in params:
-        if size + p.numel() > limit:
-            flush()
-            size = 0
-        bucket.append(p)
-        size += p.numel()
-    flush()
 
 
 def check_ray_address(address: str, timeout_s: float = 10.0) -> None:
@@ -237,6 +73,8 @@ class RayEngine:
                 except ConnectionError as e:
                     raise UserError(f"engine.ray_address={g.ray_address}: no Ray cluster there ({str(e).splitlines()[0][:160]}); "
                                     "start one with `ray start --head`, or set engine.ray_address= to start a local Ray") from None
+            elif g.rehearse:  # declare what the GPU layout asks for; the hosts then run on this machine's CPUs
+                ray.init(**resources.rehearsal_init_args(cfg), **kwargs)
             else:
                 ray.init(num_cpus=os.cpu_count(), **kwargs)
         try:
@@ -247,13 +85,13 @@ class RayEngine:
 
     def _start(self, cfg) -> None:
         ray, g = self.ray, cfg.engine
-        self.use_gpu = g.device == "cuda" or (g.device == "auto" and torch.cuda.is_available())
+        self.use_gpu = gpu_topology(cfg)  # hosts ask Ray for GPUs (real ones, or declared ones in a rehearsal)
         self.hybrid = g.hybrid
         n_actor, n_roll = g.actor_workers, g.rollout_workers
-        hosts = n_actor if g.hybrid else n_actor + n_roll
-        self._check_resources(hosts)
+        names = resources.host_names(cfg)
+        resources.check_fits(cfg, resources.node_resources(ray))
         # devices in use, for images/s/device and GPU-hours: 1 actor + 1 rollout at 0.5 GPU each is one GPU
-        share = hosts * g.gpus_per_worker if self.use_gpu else hosts
+        share = len(names) * g.gpus_per_worker if self.use_gpu else len(names)
         self.devices = int(share) if share == int(share) else share  # logged as 1, not 1.0, when shares fill GPUs
         self.actor_devices, self.rollout_devices = n_actor, (n_actor if g.hybrid else n_roll)
         self.sync_mode = weight_sync_mode(cfg)
@@ -261,8 +99,14 @@ class RayEngine:
         # One process group: actor ranks 0..N-1 (data parallel), plus the rollouts when weights are broadcast.
         world = n_actor + n_roll if broadcast else n_actor
         sync_ranks = [0] + list(range(n_actor, n_actor + n_roll)) if broadcast else None
-        c = g.cpus_per_worker
-        self._opts = {"num_gpus": g.gpus_per_worker} if self.use_gpu else {"num_cpus": c}
+        shared_gpu = self.use_gpu and g.gpus_per_worker < 1  # NCCL cannot join two ranks on one GPU
+        self.backends = gdist.backend_map(self.use_gpu, g.rehearse, shared_gpu)
+        self.host_device = "cuda" if self.use_gpu and not g.rehearse else "cpu"
+        c = host_cpus(cfg)
+        req = resources.host_request(cfg)
+        self._opts = {"num_cpus": req["CPU"], **({"num_gpus": req["GPU"]} if "GPU" in req else {})}
+        # a rehearsal runs every host on this machine's few cores: one torch thread each, not the declared CPUs
+        threads = max(1, (os.cpu_count() or 1) // len(names)) if g.rehearse else None
         # stream: a host generates (default group, one call at a time) while other threads wait for the rewards
         # of its earlier groups and stage new weights into the second buffer.
         groups = {"concurrency_groups": {"weights": 1, "rewards": 64}} if g.schedule == "stream" else {}
@@ -272,7 +116,8 @@ class RayEngine:
 
         def spawn(i, roles, rank, world_size):
             cores = None if self.use_gpu else list(range(i * c, (i + 1) * c))
-            self._spec[i] = (cfg, roles, rank, world_size, n_actor, cores, sync_ranks if world_size > 1 else None)
+            self._spec[i] = (cfg, roles, rank, world_size, n_actor, cores, sync_ranks if world_size > 1 else None,
+                             names[i], threads)
             return self._host_cls.options(**self._opts).remote(*self._spec[i])
 
         if g.hybrid:
@@ -285,28 +130,24 @@ class RayEngine:
         self.hosts = self.actors if g.hybrid else self.actors + self.rollouts
         try:
             addr = ray.get(self.actors[0].rendezvous.remote())  # on actor rank 0's node, so multi-node works
-            ray.get([h.setup.remote(addr) for h in self.hosts])
+            refs = [h.setup.remote(addr, self.backends, self.host_device) for h in self.hosts]
+            self.placement = resources.wait_for_setup(ray, refs, names, req, g.setup_timeout_s)
         except ray.exceptions.RayError as e:
             raise UserError(f"a Ray worker failed to start ({str(e).strip().splitlines()[-1][:200]}); "
                             "run with --debug for the full error") from None
+        self.device_name = self.placement[0]["device_name"]
+        if g.rehearse:
+            gpu_run = gdist.backend_map(True, shared_gpu=shared_gpu)
+            print("gerl: rehearsal placement: " + "; ".join(
+                f"{p['host']} on GPU {','.join(p['gpu_ids']) or '-'} (CUDA_VISIBLE_DEVICES={p['cuda_visible_devices']}, "
+                f"node {p['node'][:8]})" for p in self.placement)
+                + f"; process groups {self.backends} (the GPU run's: {gpu_run}); model {cfg.model.dtype} on the CPU",
+                file=sys.stderr)
         self.restarts = 0
         self._version = 0
         self._pending_loads: list = []
         self._replay: dict[int, dict] = {}  # after an async resume: older versions' weights for re-issued steps
         self.sync()  # rollouts start from the actor's exact weights
-
-    def _check_resources(self, hosts: int) -> None:
-        res = self.ray.cluster_resources()
-        g = self.cfg.engine
-        if self.use_gpu:
-            have, need, what = res.get("GPU", 0), hosts * g.gpus_per_worker, "GPUs"
-        else:
-            have, need, what = int(res.get("CPU", 0)), hosts * g.cpus_per_worker, "CPUs"
-        if need > have:
-            layout = (f"{g.actor_workers} colocated" if g.hybrid else f"{g.actor_workers} actor + {g.rollout_workers} rollout")
-            per = f" × {g.gpus_per_worker:g} gpus_per_worker" if self.use_gpu else f" × {g.cpus_per_worker} cpus_per_worker"
-            raise UserError(f"engine asks for {need:g} {what} ({layout} workers{per}) but the Ray cluster has {have:g}; "
-                            "lower engine.actor_workers/rollout_workers/cpus_per_worker/gpus_per_worker or add nodes")
 
     @property
     def actor_version(self) -> int:
@@ -372,7 +213,7 @@ class RayEngine:
                              "engine.weight_sync=object_store (a broadcast group cannot take a new member)")
         idx = self.cfg.engine.actor_workers + j
         self.rollouts[j] = self._host_cls.options(**self._opts).remote(*self._spec[idx])
-        self.ray.get(self.rollouts[j].setup.remote(None))
+        self.ray.get(self.rollouts[j].setup.remote(None, self.backends, self.host_device))
         self.hosts = self.actors + self.rollouts
         self.ray.get(self.rollouts[j].load_weights.remote(self.actors[0].actor_weights.remote(), self._version))
         self.restarts += 1
@@ -400,6 +241,7 @@ class RayEngine:
         self._version += 1
         m = results[0]
         m["_spans"] = [dict(r.pop("_span"), lane=f"actor{i}") for i, r in enumerate(results)]
+        m["actor_peak_mem_gib"] = max(r["actor_peak_mem_gib"] for r in results)  # each rank measures its own
         return m
 
     def sync(self) -> float:

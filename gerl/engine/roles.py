@@ -17,7 +17,9 @@ import torch
 
 from gerl.checkpoint import load_checkpoint, load_inflight_weights, save_checkpoint
 from gerl.config import Config, reward_components, trained_steps_per_sample, derived_sizes
-from gerl.models.loader import TextEmbedder, add_lora, load_lora_into_pipeline, load_pipeline
+from gerl.models.loader import (
+    ROLE_COMPONENTS, TextEmbedder, add_lora, load_lora_into_pipeline, load_pipeline, resolve_device,
+)
 from gerl.workers.actor import ActorWorker
 from gerl.workers.reward import RewardResult, RewardSet
 from gerl.workers.rollout import RolloutWorker
@@ -33,9 +35,14 @@ def pin_cpus(cores: list[int] | None) -> None:
     torch.set_num_threads(len(cores))
 
 
-def build_pipeline(cfg: Config, device: str | None = None):
-    """The SD3 pipeline with the configured adapter attached (fresh, or cfg.model.init_lora)."""
-    pipe = load_pipeline(cfg.model.path, cfg.model.dtype, device or cfg.model.device, cfg.model.tiny_seed)
+def build_pipeline(cfg: Config, device: str | None = None, roles: tuple[str, ...] = ("actor", "rollout")):
+    """The SD3 pipeline with the configured adapter attached (fresh, or cfg.model.init_lora), holding only the
+    parts `roles` use: an actor alone loads the transformer and nothing else."""
+    parts = tuple(dict.fromkeys(c for r in roles for c in ROLE_COMPONENTS[r]))
+    device = device or cfg.model.device
+    if resolve_device(device).type == "cuda":  # Flow-GRPO's allow_tf32: fp32 matmuls (the LoRA's) on tensor cores
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.model.tf32
+    pipe = load_pipeline(cfg.model.path, cfg.model.dtype, device, cfg.model.tiny_seed, parts)
     if cfg.model.lora:
         if cfg.model.init_lora:
             load_lora_into_pipeline(pipe, cfg.model.init_lora, adapter_name="default")
@@ -59,7 +66,7 @@ class RolloutRole:
                  device: str | None = None):
         pin_cpus(cores)
         self.cfg, self.rank = cfg, rank
-        self.pipe = pipe if pipe is not None else build_pipeline(cfg, device)
+        self.pipe = pipe if pipe is not None else build_pipeline(cfg, device, roles=("rollout",))
         self.embedder = TextEmbedder(self.pipe, cfg.model.max_sequence_length, cfg.model.text_cache_size)
         self.worker = RolloutWorker(self.pipe, self.embedder, cfg.sampling, cfg.model.resolution, cfg.seed)
         comps = reward_components(cfg.reward)
@@ -179,7 +186,7 @@ class ActorRole:
                  device: str | None = None, grad_sync=None):
         pin_cpus(cores)
         self.cfg, self.rank, self.world = cfg, rank, world
-        self.pipe = pipe if pipe is not None else build_pipeline(cfg, device)
+        self.pipe = pipe if pipe is not None else build_pipeline(cfg, device, roles=("actor",))
         sizes = derived_sizes(cfg, trained_steps_per_sample(cfg))
         self.worker = ActorWorker(self.pipe.transformer, cfg.train, cfg.model, cfg.sampling, cfg.max_steps,
                                   sizes["images_per_step"], cfg.seed, world=world, grad_sync=grad_sync,

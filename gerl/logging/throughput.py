@@ -353,11 +353,11 @@ def model_config_for(model_path: str, pipe=None) -> tuple[dict, int] | None:
     return dict(t), 2 ** (len(v["block_out_channels"]) - 1)
 
 
-def tracker_for(cfg, devices: float = 1, pipe=None) -> ThroughputTracker:
+def tracker_for(cfg, devices: float = 1, pipe=None, device_name: str | None = None) -> ThroughputTracker:
     """The trainer's ThroughputTracker for a run of `cfg` (a gerl Config) on `devices` devices.
 
-    The MFU peak is cfg.metrics.peak_tflops, or guessed from the first CUDA device's name in cfg.model.dtype;
-    0 (→ mfu null) on CPU. The FLOPs model comes from `pipe` (local engine) or model.path's configs.
+    The MFU peak is cfg.metrics.peak_tflops, or guessed from the CUDA device's name in cfg.model.dtype (given by
+    the Ray engine's hosts as `device_name`, so that the driver never opens a CUDA context); 0 (→ mfu null) on CPU. The FLOPs model comes from `pipe` (local engine) or model.path's configs.
     """
     import torch
 
@@ -365,8 +365,8 @@ def tracker_for(cfg, devices: float = 1, pipe=None) -> ThroughputTracker:
 
     device = resolve_device(cfg.model.device)
     peak = cfg.metrics.peak_tflops
-    if peak <= 0 and device.type == "cuda":
-        peak = peak_tflops_for(torch.cuda.get_device_name(device), cfg.model.dtype,
+    if peak <= 0 and device.type == "cuda" and device_name != "cpu":
+        peak = peak_tflops_for(device_name or torch.cuda.get_device_name(device), cfg.model.dtype,
                                tf32=torch.get_float32_matmul_precision() != "highest")
     from gerl.models.loader import resolve_model_path
 
@@ -377,6 +377,8 @@ def tracker_for(cfg, devices: float = 1, pipe=None) -> ThroughputTracker:
         flops = StepFlopsModel(found[0], found[1], cfg.model.resolution, s.num_steps, s.guidance_scale,
                                t.inner_epochs, t.beta, t.recompute_old_log_probs)
     # A CPU device is a Ray worker's pinned cores, or this process's torch threads with the local engine.
-    cores = cfg.engine.cpus_per_worker if cfg.engine.kind == "ray" else torch.get_num_threads()
+    from gerl.config import host_cpus
+
+    cores = host_cpus(cfg) if cfg.engine.kind == "ray" else torch.get_num_threads()
     return ThroughputTracker(devices, cfg.metrics.target_val_reward, cfg.metrics.target_hold, peak, device, flops,
                              cores if device.type == "cpu" else None)

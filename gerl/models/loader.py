@@ -39,26 +39,43 @@ def resolve_device(name: str) -> torch.device:
         raise UserError(f"model.device={name!r} is not a torch device; use auto, cpu, cuda or cuda:N") from None
 
 
-def load_pipeline(path: str, dtype: str = "fp32", device: str = "auto", tiny_seed: int = 0):
+# The pipeline's parts that hold weights; a role loads only those it uses (ROLE_COMPONENTS).
+WEIGHTED_COMPONENTS = ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3")
+TOKENIZERS = {"text_encoder": "tokenizer", "text_encoder_2": "tokenizer_2", "text_encoder_3": "tokenizer_3"}
+# The actor trains the transformer and reads nothing else: its batches carry the text embeddings and latents, so
+# the VAE and the three text encoders (10.55 GiB for SD3.5-M in fp16) stay off its device.
+ROLE_COMPONENTS = {"actor": ("transformer",), "rollout": WEIGHTED_COMPONENTS}
+
+
+def load_pipeline(path: str, dtype: str = "fp32", device: str = "auto", tiny_seed: int = 0,
+                  components: tuple[str, ...] = WEIGHTED_COMPONENTS):
     """StableDiffusion3Pipeline from "tiny", a shipped model ("ocr-mini"), a local diffusers directory, or a hub id (from the local HF cache
-    or downloaded). Errors name the path and what to do."""
+    or downloaded). Errors name the path and what to do.
+
+    components: the weighted parts to load (the rest, and the tokenizers of text encoders left out, are None).
+    The transformer and text encoders take `dtype`; the VAE always decodes in fp32 (its config asks for
+    force_upcast, and both Flow-GRPO and GeRL keep it there: in fp16 its decoder overflows)."""
     from diffusers import StableDiffusion3Pipeline
 
     if dtype not in DTYPES:
         raise UserError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     path = resolve_model_path(path)
+    skipped = {name: None for name in WEIGHTED_COMPONENTS if name not in components}
+    skipped.update({TOKENIZERS[name]: None for name in skipped if name in TOKENIZERS})
     if path == "tiny":
         from gerl.models.tiny import build_tiny_sd3
 
         pipe = build_tiny_sd3(tiny_seed)
+        for name in skipped:
+            setattr(pipe, name, None)
     elif Path(path).exists():
         if not (Path(path) / "model_index.json").is_file():
             raise UserError(f"model.path {path} is not a diffusers pipeline directory (no model_index.json); "
                             "pass the folder that `save_pretrained` wrote, or a hub id")
-        pipe = StableDiffusion3Pipeline.from_pretrained(path, torch_dtype=DTYPES[dtype])
+        pipe = StableDiffusion3Pipeline.from_pretrained(path, torch_dtype=DTYPES[dtype], **skipped)
     elif re.fullmatch(r"[\w.\-]+/[\w.\-]+", path):
         try:
-            pipe = StableDiffusion3Pipeline.from_pretrained(path, torch_dtype=DTYPES[dtype])
+            pipe = StableDiffusion3Pipeline.from_pretrained(path, torch_dtype=DTYPES[dtype], **skipped)
         except OSError as e:
             raise UserError(f"cannot load {path} from the hub or the local HF cache ({str(e).splitlines()[0]}); "
                             f"run `hf download {path}` where there is network, or pass a local directory") from None
@@ -66,6 +83,8 @@ def load_pipeline(path: str, dtype: str = "fp32", device: str = "auto", tiny_see
         raise UserError(f"model.path {path!r} is neither 'tiny', an existing directory, nor a hub id like "
                         "stabilityai/stable-diffusion-3.5-medium")
     pipe.to(resolve_device(device), DTYPES[dtype])
+    if pipe.vae is not None:
+        pipe.vae.to(torch.float32)
     pipe.set_progress_bar_config(disable=True)
     for m in (pipe.transformer, pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3):
         if m is not None:

@@ -27,6 +27,10 @@ class Embeds:
         pick = lambda t: None if t is None else t[idx]  # noqa: E731
         return Embeds(pick(self.prompt), pick(self.pooled), pick(self.neg_prompt), pick(self.neg_pooled))
 
+    def to(self, device) -> "Embeds":
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return Embeds(move(self.prompt), move(self.pooled), move(self.neg_prompt), move(self.neg_pooled))
+
     @staticmethod
     def cat(items: list["Embeds"]) -> "Embeds":
         cat = lambda ts: None if ts[0] is None else torch.cat(ts)  # noqa: E731
@@ -70,6 +74,10 @@ class Trajectory:
     def steps_of(self, idx: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """Schedule indices of recorded step k[i] of sample idx[i]."""
         return self.step_indices[idx, k] if self.step_indices.ndim == 2 else self.step_indices[k]
+
+    def cpu(self) -> "Trajectory":
+        return Trajectory(self.latents.cpu(), self.next_latents.cpu(), self.log_probs.cpu(), self.step_indices.cpu(),
+                          self.final_latents.cpu())
 
     @staticmethod
     def cat(items: list["Trajectory"]) -> "Trajectory":

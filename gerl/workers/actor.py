@@ -13,6 +13,7 @@ from gerl.config import ConventionsConfig, ModelConfig, SamplingConfig, TrainCon
 from gerl.sampling.loop import replay_log_prob
 from gerl.sampling.steps import log_prob_as
 from gerl.workers.batch import RolloutBatch
+from gerl.workers.loss_scale import DynamicLossScaler
 
 
 class EMA:
@@ -41,6 +42,14 @@ class EMA:
                     p.copy_(b)
 
 
+def compute_dtype(transformer) -> torch.dtype:
+    """The dtype the transformer computes in: its frozen base weights' (a LoRA adapter is kept in fp32), or its
+    own weights' when all of them train."""
+    params = list(transformer.parameters())
+    frozen = [p for p in params if not p.requires_grad and p.is_floating_point()]
+    return (frozen or params)[0].dtype
+
+
 def lr_lambda(schedule: str, warmup: int, total: int):
     def f(step: int) -> float:
         if step < warmup:
@@ -66,12 +75,18 @@ class ActorWorker:
         self.lora = model.lora
         if not model.lora:
             transformer.requires_grad_(True)
+        if model.gradient_checkpointing:  # diffusers recomputes each block in backward; inference is unaffected
+            transformer.enable_gradient_checkpointing()
         self.named_params = [(n, p) for n, p in transformer.named_parameters() if p.requires_grad]
         self.params = [p for _, p in self.named_params]
         self.optimizer = torch.optim.AdamW(self.params, lr=train.learning_rate, betas=tuple(train.adam_betas),
                                            weight_decay=train.weight_decay, eps=train.adam_eps)
         self.mini = (train.mini_batch_size or images_per_step) // world  # samples per optimizer step on this rank
         self.grad_sync = grad_sync  # data parallel: averages gradients across ranks before each optimizer step
+        # fp16 compute: dynamic loss scaling, or the gradients underflow to zero (gerl/workers/loss_scale.py)
+        self.scaler = None
+        if compute_dtype(transformer) == torch.float16 and train.fp16_loss_scale > 0:
+            self.scaler = DynamicLossScaler(train.fp16_loss_scale)
         self.ratio_cap = ratio_cap
         total = max_steps * train.inner_epochs * (images_per_step // (self.mini * world))
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -95,11 +110,12 @@ class ActorWorker:
             self.transformer.enable_adapters()
 
     def _replay(self, transformer, batch: RolloutBatch, idx: torch.Tensor, k: torch.Tensor):
+        # The batch lives on the CPU (that is what crosses Ray); each micro-batch moves to the model's device.
         t = batch.traj
         device = next(transformer.parameters()).device
         return replay_log_prob(
             transformer, t.latents[idx, k].to(device), t.next_latents[idx, k].to(device), t.steps_of(idx, k),
-            batch.embeds.index(idx), batch.schedule, self.sampling.sampler, self.sampling.noise_level,
+            batch.embeds.index(idx).to(device), batch.schedule, self.sampling.sampler, self.sampling.noise_level,
             self.sampling.guidance_scale,
         )
 
@@ -141,7 +157,7 @@ class ActorWorker:
         count = 0
         max_dev = 0.0
         stepped = False  # has any optimizer step been taken in this update? (for the pre-update ratio check)
-        skipped = 0
+        skipped = overflowed = 0
         grad_norms = []
         self.transformer.train()
         for epoch in range(cfg.inner_epochs):
@@ -171,23 +187,32 @@ class ActorWorker:
                         if not torch.isfinite(loss):
                             finite = False
                             continue
-                        (loss / (n_micro * T)).backward()
+                        loss = loss / (n_micro * T)
+                        (self.scaler.scale_loss(loss) if self.scaler is not None else loss).backward()
                         if not stepped:
                             ratio = torch.exp(lp.detach() - old_lp)
                             max_dev = max(max_dev, float((ratio - 1).abs().max()))
                         for key, v in stats.items():
                             sums[key] = sums.get(key, 0.0) + float(v)
                         count += 1
+                # Unscale before the all-reduce and the clip; every rank then agrees on whether to step.
+                grads_ok = self.scaler.unscale_(self.params) if self.scaler is not None else True
                 if self.grad_sync is not None:
-                    finite = self.grad_sync(self.params, finite)
+                    finite, grads_ok = self.grad_sync(self.params, finite, grads_ok)
+                if self.scaler is not None:
+                    self.scaler.update(overflow=not grads_ok)
                 if cfg.max_grad_norm > 0:
                     gn = torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm)
                 else:
                     gn = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in self.params if p.grad is not None]))
-                if not finite or not torch.isfinite(gn):
-                    # A non-finite loss or gradient: drop this optimizer step rather than poison the weights.
+                if not finite or not grads_ok or not torch.isfinite(gn):
+                    # A non-finite loss or gradient: drop this optimizer step rather than poison the weights
+                    # (under fp16 loss scaling an overflow is expected now and then: the scale halves).
                     self.optimizer.zero_grad(set_to_none=True)
-                    skipped += 1
+                    if finite and not grads_ok and self.scaler is not None:
+                        overflowed += 1
+                    else:
+                        skipped += 1
                     continue
                 grad_norms.append(float(gn))
                 self.optimizer.step()
@@ -201,9 +226,13 @@ class ActorWorker:
             "ratio_max_dev_before_update": max_dev,
             "grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
             "nonfinite_updates_skipped": skipped,
+            "optimizer_steps": len(grad_norms),
             "learning_rate": self.optimizer.param_groups[0]["lr"],
             "trained_steps_per_sample": T,
         })
+        if self.scaler is not None:
+            metrics.update(loss_scale=self.scaler.scale, overflow_updates_skipped=overflowed,
+                           overflow_updates_total=self.scaler.overflows)
         return metrics
 
     # ------------------------------------------------------------------ checkpoint state

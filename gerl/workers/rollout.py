@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 
 import numpy as np
@@ -41,10 +42,16 @@ def group_seed(seed: int, step: int, group_id: int) -> int:
 
 @torch.no_grad()
 def decode(vae, latents: torch.Tensor) -> list[Image.Image]:
-    """SD3 latents (B, 16, h, w) → PIL images."""
+    """SD3 latents (B, 16, h, w) → PIL images, in the VAE's own dtype (fp32: the loader keeps it there, as both
+    peers do and as its config's force_upcast asks; in fp16 its decoder overflows to NaN, and a NaN image would
+    become a black image scoring ~0 without a word — so a non-finite decode is reported on stderr)."""
     z = latents / vae.config.scaling_factor + vae.config.shift_factor
-    x = vae.decode(z.to(vae.dtype), return_dict=False)[0]
-    x = ((x.float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+    x = vae.decode(z.to(vae.device, vae.dtype), return_dict=False)[0].float()
+    bad = int((~torch.isfinite(x.flatten(1))).any(1).sum())
+    if bad:
+        print(f"gerl: warning: the VAE decoded {bad} of {len(x)} images with NaN/inf values (VAE dtype {vae.dtype}); "
+              "they become black images and score as such", file=sys.stderr)
+    x = ((x / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
     return [Image.fromarray(np.ascontiguousarray(a)) for a in x]
 
 
@@ -69,7 +76,8 @@ class RolloutWorker:
         (reward futures); when None, rewards are left to the caller. `index_offset` is this shard's first sample
         index in the whole step, so noise seeds (and images) do not depend on how the step is sharded.
         `between()` runs before each micro-batch (staged weights are loaded there, never mid micro-batch); the
-        batch's policy_version is the oldest version any of its micro-batches was generated with."""
+        batch's policy_version is the oldest version any of its micro-batches was generated with. Every tensor of
+        the returned batch is on the CPU."""
         cfg, sched = self.cfg, self.train_schedule
         window_rng = torch.Generator().manual_seed(sample_seed(self.seed, step, -1))
         sde_steps = sde_window(sched.num_steps, cfg.sde_window_size, tuple(cfg.sde_window_range), window_rng)
@@ -104,9 +112,11 @@ class RolloutWorker:
                       {"name": f"decode mb{len(trajs)}", "start": t1 + wall, "end": t2 + wall}]
             if submit is not None:
                 futures.append((sl, submit(mb_images, prompts[sl], metadata[sl])))
-            trajs.append(traj)
+            # The batch is kept on the CPU: it crosses Ray to the actor (a pickled CUDA tensor would be restored
+            # on the receiver's cuda:0), and the actor moves each training micro-batch to its own device.
+            trajs.append(traj.cpu())
             images.extend(mb_images)
-            embeds_all.append(embeds)
+            embeds_all.append(embeds.to("cpu"))
         return RolloutBatch(
             prompts=list(prompts), metadata=list(metadata), group_ids=group_ids, embeds=Embeds.cat(embeds_all),
             schedule=sched, traj=Trajectory.cat(trajs), images=images, policy_version=min(versions, default=self.policy_version),

@@ -103,7 +103,7 @@ def test_misplacement_names_the_numbers(tmp_path):
     cfg = small_config(tmp_path, "max_steps=1", "engine.kind=ray", "engine.hybrid=false", "engine.device=cpu",
                        "engine.actor_workers=2", "engine.rollout_workers=2", "engine.cpus_per_worker=1",
                        "train.mini_batch_size=8", "data.prompts_per_step=2")
-    with pytest.raises(UserError, match=r"asks for 4 CPUs \(2 actor \+ 2 rollout workers × 1 cpus_per_worker\) but the Ray cluster has 2"):
+    with pytest.raises(UserError, match=r"asks for 4 CPUs \(2 actor \+ 2 rollout hosts × 1 engine.cpus_per_worker\) but the Ray cluster has 2"):
         train(cfg)
     assert not (tmp_path / "metrics.jsonl").exists()
 
@@ -195,23 +195,3 @@ def test_unreachable_ray_address_fails_fast_naming_it():
     with pytest.raises(UserError, match="not a number"):
         check_ray_address("127.0.0.1:head")
     check_ray_address("auto")  # left to ray.init, which fails fast itself when no cluster runs here
-
-
-def test_gpu_placement_counts_fractional_shares():
-    """No GPU here, so this calls the placement check on a stand-in engine whose Ray cluster reports one GPU: the
-    arithmetic is what is under test (2 hosts × 0.5 fit one GPU, 2 × 1 do not), not Ray's scheduler."""
-    from types import SimpleNamespace
-
-    from gerl.engine.ray_engine import RayEngine
-
-    cluster = SimpleNamespace(cluster_resources=lambda: {"GPU": 1.0, "CPU": 16.0})
-    for share, fits in ((0.5, True), (1.0, False)):
-        cfg = small_config("/nonexistent", "engine.kind=ray", "engine.hybrid=false", "engine.device=cuda",
-                           f"engine.gpus_per_worker={share}")
-        stand_in = SimpleNamespace(ray=cluster, cfg=cfg, use_gpu=True)
-        if fits:
-            RayEngine._check_resources(stand_in, 2)
-        else:
-            with pytest.raises(UserError, match=r"asks for 2 GPUs \(1 actor \+ 1 rollout workers × 1 gpus_per_worker\) "
-                                                r"but the Ray cluster has 1"):
-                RayEngine._check_resources(stand_in, 2)

@@ -1,0 +1,245 @@
+"""Host: one Ray actor process of the Ray engine, holding the roles it is given (the same classes the local engine
+runs in-process) on one device, and the torch.distributed group it shares with the other hosts.
+
+Everything a host returns crosses Ray as a pickle, and a pickled CUDA tensor is restored on the *receiver's*
+cuda:0 (an extra CUDA context on another worker's GPU, or a crash in a CPU-only driver). So every return value is
+checked to hold CPU tensors only (`assert_on_cpu`); the roles hand back CPU tensors by construction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import time
+from pathlib import Path
+
+import torch
+
+from gerl.engine import dist as gdist
+from gerl.logging.throughput import peak_memory_gib
+
+
+def assert_on_cpu(obj, what: str, _path: str = "") -> None:
+    """Raise if any tensor inside `obj` (dataclasses, dicts, lists, tuples, nested) is not on the CPU."""
+    where = f"{what}{_path}"
+    if isinstance(obj, torch.Tensor):
+        if obj.device.type != "cpu":
+            raise RuntimeError(f"{where} is on {obj.device}, but everything a Ray host returns must be on the CPU "
+                               "(a CUDA tensor would be unpickled onto the receiver's GPU); move it with .cpu()")
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            assert_on_cpu(getattr(obj, f.name), what, f"{_path}.{f.name}")
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            assert_on_cpu(v, what, f"{_path}[{k!r}]")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            assert_on_cpu(v, what, f"{_path}[{i}]")
+
+
+def _cpu_only(what: str):
+    """Decorator for Host methods: their return value is checked with assert_on_cpu."""
+    def wrap(fn):
+        def method(self, *args, **kwargs):
+            out = fn(self, *args, **kwargs)
+            assert_on_cpu(out, f"Host.{what}()")
+            return out
+        method.__name__, method.__doc__ = fn.__name__, fn.__doc__
+        return method
+    return wrap
+
+
+class Host:
+    """One Ray actor process: builds the roles it is given (the same classes the local engine uses)."""
+
+    def __init__(self, cfg, roles: tuple[str, ...], rank: int, world: int, actor_world: int, cores,
+                 sync_ranks: list[int] | None, name: str = "host", threads: int | None = None):
+        from gerl.logging.quiet import quiet_libraries
+
+        quiet_libraries()
+        from gerl.engine.roles import pin_cpus
+
+        pin_cpus(cores)
+        if threads:  # a rehearsal: many hosts share a few real cores
+            torch.set_num_threads(threads)
+        self.cfg, self.roles, self.rank, self.world, self.name = cfg, roles, rank, world, name
+        self.actor_world, self.sync_ranks = actor_world, sync_ranks
+        self.dp_group = self.sync_group = self.rollout = self.actor = None
+        self.device = "cpu"
+
+    def rendezvous(self) -> str:
+        """This host's node address and a free port: rank 0 serves the torch.distributed store (any node)."""
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return f"{ray.util.get_node_ip_address()}:{s.getsockname()[1]}"
+
+    def setup(self, dist_addr: str | None, backends: str, device: str) -> dict:
+        """Join the process group (if any) with its per-device backend map, build the roles on one shared
+        pipeline on `device`. Returns where this host runs (for the run's placement record)."""
+        import ray
+
+        from gerl.engine.roles import ActorRole, RolloutRole, build_pipeline
+
+        self.device = device
+        if self.world > 1:
+            gdist.init_process_group(backends, dist_addr, self.rank, self.world)
+            # Every process creates every group, in the same order (a torch.distributed rule).
+            self.dp_group = gdist.new_group(list(range(self.actor_world)), backends) if self.actor_world > 1 else None
+            self.sync_group = gdist.new_group(self.sync_ranks, backends) if self.sync_ranks else None
+        pipe = build_pipeline(self.cfg, device, roles=self.roles)
+        self.rollout = RolloutRole(self.cfg, pipe) if "rollout" in self.roles else None
+        grad_sync = self._grad_sync if self.dp_group is not None else None
+        if "actor" in self.roles:
+            self.actor = ActorRole(self.cfg, pipe, self.rank, self.actor_world, grad_sync=grad_sync)
+        ctx = ray.get_runtime_context()
+        return {"host": self.name, "roles": list(self.roles), "pid": os.getpid(), "node": ctx.get_node_id(),
+                "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "device": device,
+                "device_name": torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu",
+                "dtype": self.cfg.model.dtype, "backends": backends if self.world > 1 else None,
+                "rank": self.rank if self.world > 1 else None, "torch_threads": torch.get_num_threads()}
+
+    def _grad_sync(self, params, loss_ok: bool, grads_ok: bool) -> tuple[bool, bool]:
+        """Average gradients over the data-parallel ranks. The flags (was this rank's loss finite, were its
+        unscaled gradients finite) are summed over the ranks as a CPU tensor — the reason the group's backend map
+        needs a CPU entry — so that every rank skips the same steps."""
+        import torch.distributed as dist
+
+        flags = torch.tensor([0.0 if loss_ok else 1.0, 0.0 if grads_ok else 1.0])
+        dist.all_reduce(flags, group=self.dp_group)
+        n = dist.get_world_size(self.dp_group)
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, group=self.dp_group)
+            p.grad /= n
+        return bool(flags[0] == 0), bool(flags[1] == 0)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def _peak(self) -> float:
+        return peak_memory_gib(self.device)
+
+    # rollout role
+    @_cpu_only("generate")
+    def generate(self, prompts, metadata, group_ids, step, offset):
+        batch, res = self.rollout.generate(prompts, metadata, group_ids, step, offset)
+        batch.timings["rollout_peak_mem_gib"] = self._peak()
+        return batch, res
+
+    @_cpu_only("validate")
+    def validate(self, prompts, metadata, weights=None):
+        if weights is None:
+            return self.rollout.validate(prompts, metadata)
+        # clone: on CPU in fp32, weights() hands back the live parameters, which the EMA load would overwrite
+        current = {n: t.clone() for n, t in self.rollout.weights().items()}
+        self.rollout.load_weights(weights, self.rollout.version)
+        try:
+            return self.rollout.validate(prompts, metadata)
+        finally:
+            self.rollout.load_weights(current, self.rollout.version)
+
+    def start(self, prompts, metadata, group_ids, step, offset):
+        return self.rollout.start(prompts, metadata, group_ids, step, offset)
+
+    @_cpu_only("finish")
+    def finish(self, key):
+        batch, res = self.rollout.finish(key)
+        batch.timings["rollout_peak_mem_gib"] = self._peak()
+        return batch, res
+
+    def stage_weights(self, state, version) -> float:
+        return self.rollout.stage_weights(state, version)
+
+    def load_weights(self, state, version) -> float:
+        t0 = time.perf_counter()
+        self.rollout.load_weights(state, version)
+        return time.perf_counter() - t0
+
+    @_cpu_only("rollout_weights")
+    def rollout_weights(self):
+        return self.rollout.weights()
+
+    def recv_broadcast(self, version, bucket_mb) -> float:
+        t0 = time.perf_counter()
+        params = dict(self.rollout.pipe.transformer.named_parameters())
+        broadcast(self.sync_group, [params[n] for n in self.rollout.names], bucket_mb, src=0, receive=True)
+        self.rollout.worker.policy_version = version
+        return time.perf_counter() - t0
+
+    # actor role
+    @_cpu_only("update")
+    def update(self, batch, advantages, step):
+        t0 = time.time()
+        m = self.actor.update(batch, advantages, step)
+        m["_span"] = {"name": "train", "start": t0, "end": time.time()}
+        m["actor_peak_mem_gib"] = self._peak()
+        if self.rollout is not None:  # hybrid: the colocated rollout uses these very weights
+            self.rollout.worker.policy_version = self.actor.version
+        return m
+
+    @_cpu_only("actor_weights")
+    def actor_weights(self, ema: bool = False):
+        if ema and self.actor.worker.ema is not None:
+            return {n: s.float().cpu() for (n, _), s in zip(self.actor.worker.named_params, self.actor.worker.ema.shadow)}
+        return self.actor.weights()
+
+    def send_broadcast(self, bucket_mb) -> float:
+        t0 = time.perf_counter()
+        broadcast(self.sync_group, self.actor.worker.params, bucket_mb, src=0, receive=False)
+        return time.perf_counter() - t0
+
+    def actor_version(self) -> int:
+        return self.actor.version
+
+    @_cpu_only("older_versions")
+    def older_versions(self):
+        return self.actor.older_versions()
+
+    def save(self, run_dir, step, extra, keep_last):
+        self.actor.save(run_dir, step, extra, keep_last)
+
+    def load(self, path):
+        state = self.actor.load(Path(path))
+        if self.rollout is not None:
+            self.rollout.worker.policy_version = self.actor.version
+        return state
+
+    def close(self):
+        if self.rollout is not None:
+            self.rollout.close()
+
+
+@torch.no_grad()
+def broadcast(group, params: list[torch.Tensor], bucket_mb: int, src: int, receive: bool) -> None:
+    """Broadcast tensors from `src` in flat fp32 buckets of ≤ bucket_mb; receivers copy each bucket as it lands."""
+    import torch.distributed as dist
+
+    limit = max(1, bucket_mb * 2**20 // 4)
+    bucket: list[torch.Tensor] = []
+
+    def flush():
+        if not bucket:
+            return
+        # NCCL needs CUDA tensors, gloo CPU ones: keep the bucket on the parameters' own device
+        flat = torch.cat([p.detach().float().flatten() for p in bucket]).to(bucket[0].device)
+        dist.broadcast(flat, src=src, group=group)
+        if receive:
+            off = 0
+            for p in bucket:
+                p.copy_(flat[off:off + p.numel()].view_as(p).to(p.device, p.dtype))
+                off += p.numel()
+        bucket.clear()
+
+    size = 0
+    for p in params:
+        if size + p.numel() > limit:
+            flush()
+            size = 0
+        bucket.append(p)
+        size += p.numel()
+    flush()
