@@ -88,7 +88,8 @@ class TrainConfig:
     flip_advantage: bool = False  # negate advantages — a sanity check: the reward must then NOT rise
     loss: str = "ppo_clip"  # policy objective from gerl/algo/policy_loss.py: ppo_clip | tis | topr | cispo (off-policy corrections for stale batches)
     is_cap: float = 2.0  # loss=tis: importance weights are truncated at this value (dimensionless, > 0)
-    fp16_loss_scale: float = 65536.0  # model.dtype=fp16: initial dynamic loss scale (halved on an inf/NaN gradient, that step skipped on every rank; doubled after 2000 clean steps). 0 = off: per-element gradients of a 512² log-prob (~1e-9) then flush to zero in fp16 and nothing is learned
+    fp16_loss_scale: float = 65536.0  # model.dtype=fp16: initial dynamic loss scale (halved on an inf/NaN gradient, that step skipped on every rank; doubled after fp16_scale_growth_interval clean steps). 0 = off: per-element gradients of a 512² log-prob (~1e-9) then flush to zero in fp16 and nothing is learned
+    fp16_scale_growth_interval: int = 2000  # optimizer steps without an overflow before the loss scale doubles (torch.amp.GradScaler's default; GeRL 400)
 
 
 @dataclass
@@ -210,6 +211,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "conventions.cps_log_prob": "squared_error",
         "conventions.kl_std": "noise_coef",
         "conventions.group_std": "unbiased",
+        "train.fp16_loss_scale": 2.0**24,  # diffusers_actor.py: ShardedGradScaler(init_scale=2**24, growth_interval=400)
+        "train.fp16_scale_growth_interval": 400,
         "train.advantage": "global_std",  # algorithm.global_std = True in ppo_trainer.yaml
         "train.per_prompt_tracker": False,
         "ocr:strip": "spaces",
@@ -514,6 +517,7 @@ RANGES: dict[str, Range] = {
     "train.clip_range": _gt(0),
     "train.is_cap": _gt(0),
     "train.fp16_loss_scale": _ge(0, "0 = no loss scaling"),
+    "train.fp16_scale_growth_interval": _ge(1),
     "train.adv_clip_max": _gt(0, "advantages are clamped to [−adv_clip_max, adv_clip_max]"),
     "train.beta": _ge(0),
     "train.max_grad_norm": _ge(0, "0 = no clipping"),

@@ -86,7 +86,7 @@ class ActorWorker:
         # fp16 compute: dynamic loss scaling, or the gradients underflow to zero (gerl/workers/loss_scale.py)
         self.scaler = None
         if compute_dtype(transformer) == torch.float16 and train.fp16_loss_scale > 0:
-            self.scaler = DynamicLossScaler(train.fp16_loss_scale)
+            self.scaler = DynamicLossScaler(train.fp16_loss_scale, growth_interval=train.fp16_scale_growth_interval)
         self.ratio_cap = ratio_cap
         total = max_steps * train.inner_epochs * (images_per_step // (self.mini * world))
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(

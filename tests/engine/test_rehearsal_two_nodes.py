@@ -1,0 +1,42 @@
+"""engine.rehearse=true across two Ray nodes in one machine (ray.cluster_utils.Cluster): cross-node placement, the
+data-parallel process group and the weight sync of the decoupled launchers, on declared GPUs."""
+
+import json
+import os
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from tests.engine.test_rehearsal import rehearse, rows  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    """Two Ray nodes on this machine: the head with 1 declared GPU, a second node with 2."""
+    from ray.cluster_utils import Cluster
+
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "num_gpus": 1})
+    cluster.add_node(num_cpus=8, num_gpus=2)
+    ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+@pytest.mark.parametrize("launcher", ["run_sd3_fast_3p_a1_r2.sh", "run_sd3_fast_3p_a2_r1.sh"])
+def test_two_node_rehearsal(launcher, tmp_path, two_nodes):
+    rehearse(launcher, tmp_path)
+    hosts = json.loads((tmp_path / "placement.json").read_text())
+    nodes = {h["host"]: h["node"] for h in hosts}
+    assert len(set(nodes.values())) == 2, f"the hosts span both nodes: {nodes}"
+    gpu_ids = [(h["node"], h["gpu_ids"][0]) for h in hosts]
+    assert len(set(gpu_ids)) == 3, "three hosts on three distinct GPUs"
+    r = rows(tmp_path)
+    assert r[1]["grad_norm"] > 0 and r[2]["policy_lag"] == 1
+    actors = [h for h in hosts if "actor" in h["roles"]]
+    if len(actors) == 2:  # the data-parallel group spans the nodes: its all-reduce crossed them every step
+        assert actors[0]["node"] != actors[1]["node"] and actors[0]["backends"] == "cpu:gloo,cuda:gloo"
+    else:  # the actor's weights reached a rollout on the other node (policy_lag 1 means step 2 trained on them)
+        assert any(nodes[h] != nodes["actor0"] for h in ("rollout0", "rollout1"))
