@@ -141,3 +141,20 @@ def test_no_scaler_outside_fp16(lora_transformer):
     cfg = SamplingConfig(micro_batch_size=4)
     actor = ActorWorker(lora_transformer(), TrainConfig(), ModelConfig(lora=True), cfg, 1, 4, 0)
     assert actor.scaler is None
+
+
+def test_the_loss_scale_survives_a_checkpoint(ocr_mini, lora_copy, tmp_path):
+    from gerl.checkpoint import load_checkpoint, save_checkpoint
+
+    cfg = SamplingConfig(micro_batch_size=4)
+
+    def actor():
+        return ActorWorker(lora_copy(fp16=True), TrainConfig(), ModelConfig(lora=True), cfg, 1, 4, 0)
+
+    a = actor()
+    a.scaler.load_state_dict({"scale": 1024.0, "clean_steps": 7, "overflows": 3})
+    path = save_checkpoint(tmp_path, 1, a, {})
+    b = actor()
+    assert b.scaler.scale == 65536.0
+    load_checkpoint(path, b)
+    assert b.scaler.state_dict() == {"scale": 1024.0, "clean_steps": 7, "overflows": 3}
