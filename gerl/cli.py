@@ -1,4 +1,4 @@
-"""`gerl train | sample | eval | score | report`. Bad input → one line on stderr and exit code 2 (a traceback only with --debug)."""
+"""`gerl train | plan | sample | eval | score | report`. Bad input → one line on stderr and exit code 2 (a traceback only with --debug)."""
 
 from __future__ import annotations
 
@@ -50,6 +50,18 @@ def cmd_train(args) -> int:
         if main_thread:
             signal.signal(signal.SIGTERM, old_term)
     print(f"gerl: run written to {run_dir}  (metrics.jsonl, tensorboard/, samples/, checkpoints/)")
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from gerl.config import load_config
+
+    cfg = load_config(args.config, args.overrides)  # the same config tree and overrides as `gerl train`
+    quiet_libraries()
+    from gerl.plan import format_plan, plan_for_config
+
+    plan = plan_for_config(cfg)
+    print(json.dumps(plan.to_dict(), indent=1) if args.json else format_plan(plan).rstrip("\n"))
     return 0
 
 
@@ -327,6 +339,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--print-config", action="store_true",
                    help="print the fully resolved config as YAML and exit, writing nothing")
     t.set_defaults(fn=cmd_train)
+    pl = sub.add_parser("plan", help="predicted peak GPU memory per role, the cards it fits and the largest "
+                        "micro-batches, from a config alone (no GPU, no weights; docs/plan.md)")
+    pl.add_argument("config", metavar="CONFIG.yaml", help="a recipe such as recipes/gerl_sd3_fast_ocr.yaml")
+    pl.add_argument("overrides", nargs="*", default=[], metavar="key=value",
+                    help="optional dotted overrides, as for train, e.g. engine.hybrid=false train.micro_batch_size=4")
+    pl.add_argument("--json", action="store_true", help="print the plan as JSON instead of the table")
+    pl.set_defaults(fn=cmd_plan)
     s = sub.add_parser("sample", help="generate images from the base model or a LoRA")
     _model_args(s)
     s.add_argument("--n", type=int, default=1, help="images per prompt")

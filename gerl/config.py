@@ -38,7 +38,7 @@ class ModelConfig:
     init_lora: str = ""  # a directory or .safetensors of a LoRA to start from ("" = fresh adapter)
     text_cache_size: int = 4096  # prompts whose text embeddings are kept (LRU); text encoders never re-run for these
     tiny_seed: int = 0  # seed of the randomly initialised tiny model (model.path = tiny)
-    gradient_checkpointing: bool = False  # recompute each transformer block's activations in the backward pass: the actor's training peak at SD3.5-M 512² micro-batch 8 drops from ~28.5 to ~6.5 GiB for ~1/3 more training compute (`gerl plan` shows both)
+    gradient_checkpointing: bool = False  # recompute each transformer block's activations in the backward pass: SD3.5-M's training activations at 512² micro-batch 8 drop from 23.8 to 1.8 GiB (28.5 → 6.5 GiB with the fp16 weights) for ~1/3 more training compute (`gerl plan` shows both)
     tf32: bool = True  # TF32 tensor cores for fp32 matmuls on Ampere+ GPUs (Flow-GRPO's allow_tf32); no effect on CPU
 
 

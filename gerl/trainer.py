@@ -115,9 +115,60 @@ def _check_resume(cfg: Config, resume_from: Path | None) -> None:
                         f"is nothing left to train; raise max_steps above {step} (e.g. max_steps={2 * step})")
 
 
+class MemoryPlanner:
+    """`gerl plan` for a GPU run, computed on a thread while the model loads (FakeTensorMode takes ~15 s of CPU for
+    SD3.5-M; dispatch modes are thread-local, so the loading next to it is unaffected). `result()` waits for it."""
+
+    def __init__(self, cfg: Config):
+        import threading
+
+        self.plan, self.error = None, None
+        # diffusers and transformers import their classes lazily, and two threads resolving the same lazy name at
+        # once can fail: resolve here, on the main thread, every class the plan and the loader both touch.
+        import diffusers
+        import transformers
+
+        for name in ("StableDiffusion3Pipeline", "SD3Transformer2DModel", "AutoencoderKL",
+                     "FlowMatchEulerDiscreteScheduler"):
+            getattr(diffusers, name)
+        for name in ("CLIPTextModelWithProjection", "T5EncoderModel", "CLIPTokenizer", "T5TokenizerFast", "AutoConfig"):
+            getattr(transformers, name)
+        import peft  # noqa: F401
+
+        import gerl.plan  # noqa: F401
+        self._thread = threading.Thread(target=self._run, args=(cfg,), name="gerl-plan", daemon=True)
+        self._thread.start()
+
+    def _run(self, cfg: Config) -> None:
+        try:
+            from gerl.plan import plan_for_config
+
+            self.plan = plan_for_config(cfg)
+        except Exception as e:  # noqa: BLE001 — a plan is advice: a model whose configs are not local gets none
+            self.error = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+
+    def result(self, timeout_s: float = 300.0):
+        self._thread.join(timeout_s)
+        return self.plan
+
+
+def is_gpu_run(cfg: Config) -> bool:
+    """Whether this run trains on GPUs (not a rehearsal): the runs that print their memory plan."""
+    from gerl.config import gpu_topology
+    from gerl.models.loader import resolve_device
+
+    if cfg.engine.rehearse:
+        return False
+    if cfg.engine.kind == "ray":
+        return gpu_topology(cfg)
+    return resolve_device(cfg.model.device).type == "cuda"
+
+
 class Trainer:
-    def __init__(self, cfg: Config, prep: Prepared):
+    def __init__(self, cfg: Config, prep: Prepared, planner: MemoryPlanner | None = None):
         self.cfg = cfg
+        self.planner = planner
+        self.plan_metrics: dict[str, float] = {}  # plan_peak_gib/<role>, logged next to the measured peaks
         self.run_dir = Path(cfg.output_dir)
         self.train_prompts, self.test_prompts = prep.train_prompts, prep.test_prompts
         self.sizes = derived_sizes(cfg, trained_steps_per_sample(cfg))
@@ -327,6 +378,16 @@ class Trainer:
     def fit(self) -> Path:
         cfg = self.cfg
         print("gerl: " + ", ".join(f"{k}={v}" for k, v in self.sizes.items()), file=sys.stderr)
+        if self.planner is not None:  # a GPU run: what each role should peak at, before it does
+            plan = self.planner.result()
+            if plan is not None:
+                from gerl.plan import format_plan
+
+                print(format_plan(plan).rstrip("\n"), file=sys.stderr)
+                self.plan_metrics = plan.metrics()
+            else:
+                print(f"gerl: no memory plan ({self.planner.error or 'still computing'}); `gerl plan` explains",
+                      file=sys.stderr)
         progress = None
         # tqdm's carriage-return stream is unreadable in a log file: off a terminal, print plain lines instead.
         if cfg.log.progress_bar and sys.stderr.isatty():
@@ -393,6 +454,9 @@ class Trainer:
             host_peaks = [metrics[k] for k in ("actor_peak_mem_gib", "rollout_peak_mem_gib") if k in metrics]
             if cfg.engine.kind == "ray" and host_peaks:  # the hosts' own peaks, not this driver's
                 metrics["peak_mem_gib"] = max(host_peaks)
+            metrics.update(self.plan_metrics)  # predicted beside measured (GPU runs)
+            if cfg.engine.kind == "ray" and is_gpu_run(cfg):  # the driver must hold no CUDA memory
+                metrics["driver_cuda_initialized"] = torch.cuda.is_initialized()
             metrics["step_s"] = time.perf_counter() - t0
             metrics["images"] = generated
             metrics["images_per_s"] = generated / metrics["step_s"]
@@ -491,4 +555,5 @@ def train(cfg: Config) -> Path:
     from gerl.engine.rehearse import adapt
 
     cfg = adapt(cfg)  # engine.rehearse: the GPU layout on CPU (says what it changed); otherwise cfg itself
-    return Trainer(cfg, prepare(cfg)).fit()
+    planner = MemoryPlanner(cfg) if is_gpu_run(cfg) else None  # printed when training starts
+    return Trainer(cfg, prepare(cfg), planner).fit()

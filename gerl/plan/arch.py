@@ -1,0 +1,133 @@
+"""The model's architecture from its configs alone: each weighted component built on the meta device.
+
+model.path → where the configs come from:
+    stabilityai/stable-diffusion-3.5-medium → assets/configs/sd3.5-medium (gerl.models.sd35_arch), no download
+    tiny                                     → gerl.models.tiny's builders (seeded, offline)
+    ocr-mini, a local diffusers directory    → its <component>/config.json
+    another hub id                           → its configs in the local HF cache (local_files_only), else a UserError
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gerl.errors import UserError
+from gerl.models.loader import WEIGHTED_COMPONENTS, resolve_model_path
+
+SD35_MEDIUM = "stabilityai/stable-diffusion-3.5-medium"
+DIFFUSERS_COMPONENTS = ("transformer", "vae")
+
+
+@dataclass
+class Architecture:
+    source: str  # where the configs came from, in words
+    configs: dict[str, Any]  # component → config dict (diffusers/transformers JSON) or a live config object
+    classes: dict[str, type] | None = None  # component → class, when the configs are live objects (tiny)
+
+    def build_meta(self, component: str, dtype: torch.dtype) -> torch.nn.Module:
+        """`component` on the meta device in `dtype`: shapes and dtypes, no storage."""
+        from diffusers.utils import logging as diffusers_logging
+
+        cfg = self.configs[component]
+        with torch.device("meta"):
+            if self.classes is not None:
+                cls = self.classes[component]
+                module = cls.from_config(cfg) if component in DIFFUSERS_COMPONENTS else cls(cfg)
+            else:
+                module = module_from_config(component, cfg)
+        level = diffusers_logging.get_verbosity()
+        diffusers_logging.set_verbosity_error()  # its `.to(dtype)` advice is about loading weights: none here
+        try:
+            return module.to(dtype).eval().requires_grad_(False)
+        finally:
+            diffusers_logging.set_verbosity(level)
+
+    def clip_tokens(self) -> int:
+        """CLIP's prompt length: its position table (77 for SD3's CLIP-L; the pipeline pads to it)."""
+        return int(_get(self.configs["text_encoder"], "max_position_embeddings"))
+
+    def vae_factor(self) -> int:
+        """Pixels per latent side: 2^(number of VAE blocks − 1), from block_out_channels (8 for SD3)."""
+        return 2 ** (len(_get(self.configs["vae"], "block_out_channels")) - 1)
+
+    def latent_channels(self) -> int:
+        return int(_get(self.configs["vae"], "latent_channels"))
+
+
+def _get(cfg, key: str):
+    return cfg[key] if isinstance(cfg, dict) else getattr(cfg, key)
+
+
+def module_from_config(component: str, cfg: dict) -> torch.nn.Module:
+    """A randomly initialised module from a saved config: diffusers' `_class_name` or transformers' `architectures`
+    (as gerl.models.sd35_arch.build_component does for the shipped configs); built on the current device."""
+    cfg = dict(cfg)
+    if component in DIFFUSERS_COMPONENTS:
+        import diffusers
+
+        cls = getattr(diffusers, cfg.get("_class_name", ""), None)
+        if cls is None:
+            raise UserError(f"{component} config names no diffusers class (_class_name={cfg.get('_class_name')!r})")
+        return cls.from_config(cfg)
+    import transformers
+
+    archs = cfg.get("architectures") or []
+    cls = getattr(transformers, archs[0], None) if archs else None
+    if cls is None or "model_type" not in cfg:
+        raise UserError(f"{component} config names no transformers class (architectures={archs}, "
+                        f"model_type={cfg.get('model_type')!r})")
+    return cls(transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg))
+
+
+def _configs_in(directory: Path, what: str) -> dict[str, dict]:
+    configs = {}
+    for c in WEIGHTED_COMPONENTS:
+        f = directory / c / "config.json"
+        if not f.is_file():
+            raise UserError(f"{what}: {f} is missing; `gerl plan` reads each of "
+                            f"{', '.join(WEIGHTED_COMPONENTS)} from <component>/config.json")
+        try:
+            configs[c] = json.loads(f.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise UserError(f"{what}: cannot read {f} ({str(e).splitlines()[0]})") from None
+    return configs
+
+
+def architecture(path: str, tiny_seed: int = 0) -> Architecture:
+    """The configs of model.path (see the module docstring). Errors name the path and what to do."""
+    if path == SD35_MEDIUM:
+        from gerl.models import sd35_arch
+
+        where = sd35_arch.CONFIG_DIR.relative_to(sd35_arch.CONFIG_DIR.parents[2])
+        return Architecture(f"SD3.5-Medium configs in {where}",
+                            {c: sd35_arch.load_config(c) for c in WEIGHTED_COMPONENTS})
+    if path == "tiny":
+        from gerl.models.tiny import build_tiny_sd3
+
+        pipe = build_tiny_sd3(tiny_seed)
+        mods = {c: getattr(pipe, c) for c in WEIGHTED_COMPONENTS}
+        return Architecture("the tiny SD3 of gerl.models.tiny", {c: m.config for c, m in mods.items()},
+                            {c: type(m) for c, m in mods.items()})
+    local = resolve_model_path(path)
+    if Path(local).is_dir():
+        return Architecture(f"configs in {local}", _configs_in(Path(local), f"model.path {path}"))
+    if Path(local).exists():
+        raise UserError(f"model.path {path} is a file; pass a diffusers pipeline directory or a hub id")
+    if not re.fullmatch(r"[\w.\-]+/[\w.\-]+", path):
+        raise UserError(f"model.path {path!r} is neither 'tiny', an existing directory, nor a hub id like "
+                        f"{SD35_MEDIUM}")
+    try:
+        from huggingface_hub import snapshot_download
+
+        snap = snapshot_download(path, allow_patterns=["*/config.json", "model_index.json"], local_files_only=True)
+    except Exception as e:  # noqa: BLE001 — any miss (not cached, gated, no hub library) means the same to the user
+        raise UserError(f"model.path {path}: its configs are not in the local HF cache ({type(e).__name__}); "
+                        f"`gerl plan` never downloads: run `hf download {path} --include '*.json'` where there is "
+                        f"network, or pass a local diffusers directory ({SD35_MEDIUM} needs neither)") from None
+    return Architecture(f"configs in the HF cache ({snap})", _configs_in(Path(snap), f"model.path {path}"))

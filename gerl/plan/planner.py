@@ -1,0 +1,359 @@
+"""plan_for_config: each role's predicted peak GPU memory, what fits which card, and the largest micro-batches.
+
+A role's peak = its resident tensors (weights, adapter, gradients, optimizer state: counted from shapes) + the
+largest transient peak among its phases (counted by running each phase on fake tensors, gerl/plan/count.py). The
+phases run one after another on a device, so their transients never add up; the resident part is there throughout.
+Transients are linear in the micro-batch: each phase is counted at the configured micro-batch and at one other,
+which gives the per-sample slope used to find the largest micro-batch that fits a card.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from gerl.config import Config
+from gerl.errors import UserError
+from gerl.models.loader import DTYPES, ROLE_COMPONENTS, add_lora
+from gerl.plan import phases
+from gerl.plan.arch import architecture
+from gerl.plan.count import fake_mode, fakeify, peak_bytes, tensor_bytes
+
+GIB = 2**30
+# Cards by their marketed size, with the capacity CUDA reports for a typical one (torch's total_memory, the "total
+# capacity" of an out-of-memory message), GiB.
+CARDS = (("24 GB", 23.6, "RTX 4090"), ("40 GB", 39.4, "A100 40GB"), ("48 GB", 44.4, "L40S"),
+         ("80 GB", 79.1, "H100 / A100 80GB"), ("141 GB", 139.7, "H200"))
+# What the count leaves out, held back from every card: the CUDA context and the cuBLAS/cuDNN/NCCL workspaces
+# (a fixed ~1 GiB), and the caching allocator's fragmentation (reserved beyond allocated: 5 % of the peak).
+RESERVE_GIB = 1.0
+FRAGMENTATION = 0.05
+NAMES = {"transformer": "transformer", "vae": "VAE", "text_encoder": "CLIP-L", "text_encoder_2": "CLIP-G",
+         "text_encoder_3": "T5 encoder"}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+TRAIN = "train.micro_batch_size"
+SAMPLE = "sampling.micro_batch_size"
+
+
+@dataclass
+class Item:
+    name: str  # what is resident, e.g. "transformer weights (fp16)"
+    gib: float
+    detail: str = ""  # sizes in words
+
+
+@dataclass
+class Phase:
+    name: str  # e.g. "training fwd+bwd, gradient checkpointing off"
+    knob: str | None  # the config key whose value is this phase's micro-batch (None: independent of it)
+    batch: int  # the configured value of `knob`
+    base_gib: float  # transient peak at micro-batch b = base_gib + per_sample_gib × b (exact at `batch`)
+    per_sample_gib: float
+    in_peak: bool = True  # False: shown for comparison (the checkpointing setting the config does not use)
+    checkpointing: bool | None = None  # training phases: with gradient checkpointing or without
+
+    @property
+    def gib(self) -> float:
+        return self.at(self.batch)
+
+    def at(self, b: int) -> float:
+        return self.base_gib + self.per_sample_gib * b
+
+
+@dataclass
+class CardFit:
+    card: str  # "80 GB"
+    capacity_gib: float
+    fits: bool  # peak × (1 + FRAGMENTATION) + RESERVE_GIB ≤ capacity
+    headroom_gib: float  # capacity − that; negative when it does not fit
+    max_micro_batch: dict[str, int]  # knob (+ " (gradient checkpointing on|off)") → largest value that fits; 0 = none
+
+
+@dataclass
+class RolePlan:
+    role: str  # actor | rollout | hybrid
+    resident: list[Item]
+    phases: list[Phase]
+    cards: list[CardFit] = field(default_factory=list)
+
+    @property
+    def resident_gib(self) -> float:
+        return sum(i.gib for i in self.resident)
+
+    def phases_with(self, checkpointing: bool | None = None) -> list[Phase]:
+        """The phases that make the peak: the config's own (None), or with the training phase of that setting."""
+        if checkpointing is None:
+            return [p for p in self.phases if p.in_peak]
+        return [p for p in self.phases if p.checkpointing in (None, checkpointing)]
+
+    def peak_gib_with(self, checkpointing: bool | None = None, batches: dict[str, int] | None = None) -> float:
+        """Resident + the largest transient, at the configured micro-batches unless `batches` overrides a knob;
+        `checkpointing` swaps in the other training phase (None: the config's own)."""
+        batches = batches or {}
+        use = self.phases_with(checkpointing)
+        return self.resident_gib + max([p.at(batches.get(p.knob, p.batch)) for p in use], default=0.0)
+
+    @property
+    def peak_gib(self) -> float:
+        return self.peak_gib_with()
+
+    @property
+    def peak_phase(self) -> Phase | None:
+        return max(self.phases_with(), key=lambda p: p.gib, default=None)
+
+
+@dataclass
+class MemoryPlan:
+    model: str
+    source: str  # where the architecture came from
+    dtype: str
+    resolution: int
+    latent: tuple[int, int, int]
+    clip_tokens: int
+    t5_tokens: int
+    placement: str
+    gradient_checkpointing: bool
+    roles: list[RolePlan]
+    notes: list[str]
+    elapsed_s: float
+    reserve_gib: float = RESERVE_GIB
+    fragmentation: float = FRAGMENTATION
+
+    def role(self, name: str) -> RolePlan:
+        for r in self.roles:
+            if r.role == name:
+                return r
+        raise KeyError(f"no role {name!r} in this plan; roles: {', '.join(r.role for r in self.roles)}")
+
+    def peak_gib(self, role: str) -> float:
+        """The predicted peak GPU memory of one host of `role` (actor, rollout or hybrid), GiB."""
+        return self.role(role).peak_gib
+
+    def metrics(self) -> dict[str, float]:
+        """{"plan_peak_gib/<role>": GiB} for the trainer to log beside the measured per-host peaks."""
+        return {f"plan_peak_gib/{r.role}": round(r.peak_gib, 3) for r in self.roles}
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        for r, d in zip(self.roles, out["roles"]):
+            d.update(resident_gib=r.resident_gib, peak_gib=r.peak_gib,
+                     peak_phase=r.peak_phase.name if r.peak_phase else None)
+            for p, dp in zip(r.phases, d["phases"]):
+                dp["gib"] = p.gib
+        return out
+
+
+def role_names(cfg: Config) -> list[str]:
+    """engine.kind=local or engine.hybrid=true: one "hybrid" role holding everything; else actor and rollout."""
+    return ["hybrid"] if cfg.engine.kind == "local" or cfg.engine.hybrid else ["actor", "rollout"]
+
+
+def _usable(capacity: float) -> float:
+    return (capacity - RESERVE_GIB) / (1 + FRAGMENTATION)
+
+
+def _max_batch(role: RolePlan, knob: str, checkpointing: bool | None, limit: float) -> int:
+    """Largest value of `knob` whose peak stays within `limit` GiB, the other knobs as configured."""
+    use = role.phases_with(checkpointing)
+    room = limit - role.resident_gib
+    best = 10**6  # "any": no phase grows with this knob
+    for p in use:
+        if p.knob != knob:
+            if p.gib > room:
+                return 0
+        elif p.per_sample_gib > 0:
+            best = min(best, math.floor((room - p.base_gib) / p.per_sample_gib + 1e-9))
+    return max(best, 0)
+
+
+def card_fits(role: RolePlan, gradient_checkpointing: bool) -> list[CardFit]:
+    knobs = list(dict.fromkeys(p.knob for p in role.phases if p.knob))
+    out = []
+    for card, capacity, _ in CARDS:
+        limit = _usable(capacity)
+        need = role.peak_gib * (1 + FRAGMENTATION) + RESERVE_GIB
+        best = {}
+        for knob in knobs:
+            best[knob] = _max_batch(role, knob, None, limit)
+            if knob == TRAIN:
+                other = not gradient_checkpointing
+                label = f"{knob} (gradient checkpointing {'on' if other else 'off'})"
+                best[label] = _max_batch(role, knob, other, limit)
+        out.append(CardFit(card, capacity, need <= capacity, round(capacity - need, 3), best))
+    return out
+
+
+def plan_for_config(cfg: Config) -> MemoryPlan:
+    """The memory plan of a validated config (gerl.config.load_config). Builds nothing on a device: seconds on a CPU."""
+    t0 = time.perf_counter()
+    m = cfg.model
+    arch = architecture(m.path, m.tiny_seed)
+    roles = role_names(cfg)
+    dtype = DTYPES[m.dtype]
+    parts = tuple(dict.fromkeys(c for r in roles for c in ROLE_COMPONENTS["rollout" if r == "hybrid" else r]))
+    modules = {c: arch.build_meta(c, torch.float32 if c == "vae" else dtype) for c in parts}
+    tr = modules["transformer"]
+    if m.lora:
+        add_lora(tr, m.lora_rank, m.lora_alpha, m.lora_targets)  # the real adapter: fp32, on the meta device
+    else:
+        tr.requires_grad_(True)
+    shapes = _shapes(cfg, arch, tr, dtype)
+    trained = [p for p in tr.parameters() if p.requires_grad]
+    residents = _resident_items(cfg, modules, trained)
+
+    mode = fake_mode()
+    for mod in modules.values():
+        fakeify(mod, mode)
+    trained = [p for p in tr.parameters() if p.requires_grad]
+    with mode:
+        for p in trained:  # accumulated gradients exist during every micro-batch but a mini-batch's first
+            p.grad = torch.zeros_like(p)
+        opt = phases.make_optimizer(trained, cfg) if {"actor", "hybrid"} & set(roles) else None
+    programs = _programs(cfg, modules, shapes, trained, opt)
+    measurer = _Measurer(cfg, mode, tr)
+    role_plans = []
+    for r in roles:
+        kinds = {"actor": ("actor",), "rollout": ("rollout",), "hybrid": ("actor", "rollout")}[r]
+        plan_phases = [ph for k in kinds for ph in measurer.phases(programs[k])]
+        comps = ROLE_COMPONENTS["rollout" if r == "hybrid" else r]
+        resident = [i for c in comps for i in residents[c]] + [i for k in kinds for i in residents[k]]
+        rp = RolePlan(r, resident, plan_phases)
+        rp.cards = card_fits(rp, m.gradient_checkpointing)
+        role_plans.append(rp)
+    return MemoryPlan(
+        model=m.path, source=arch.source, dtype=m.dtype, resolution=m.resolution, latent=shapes.latent,
+        clip_tokens=shapes.clip_tokens, t5_tokens=shapes.t5_tokens, placement=_placement(cfg, roles),
+        gradient_checkpointing=m.gradient_checkpointing, roles=role_plans, notes=_notes(cfg),
+        elapsed_s=round(time.perf_counter() - t0, 2))
+
+
+def _shapes(cfg: Config, arch, tr, dtype) -> phases.Shapes:
+    m = cfg.model
+    factor, patch = arch.vae_factor(), tr.config.patch_size
+    if m.resolution % (factor * patch):
+        raise UserError(f"model.resolution={m.resolution} must be a multiple of {factor * patch} (the VAE's "
+                        f"{factor}× times the transformer's {patch}×{patch} patches)")
+    side = m.resolution // factor
+    if side // patch > tr.config.pos_embed_max_size:
+        raise UserError(f"model.resolution={m.resolution} gives {side // patch} patches a side; this transformer's "
+                        f"positional table holds {tr.config.pos_embed_max_size}: lower model.resolution")
+    return phases.Shapes((arch.latent_channels(), side, side), arch.clip_tokens(), m.max_sequence_length,
+                         tr.config.joint_attention_dim, tr.config.pooled_projection_dim, dtype)
+
+
+def _gib(n: int) -> float:
+    return n / GIB
+
+
+def _count(n: int) -> str:
+    scales = ((1e9, "B", 2), (1e6, "M", 1), (1e3, "k", 1), (1, "", 0))
+    return next(f"{n / d:.{p}f} {u}" for d, u, p in scales if n >= d or d == 1)
+
+
+def _resident_items(cfg: Config, modules: dict, trained: list) -> dict[str, list[Item]]:
+    """Resident lines by owner: each component's weights (the transformer's with its LoRA adapter), and the
+    training state ("actor") and staging buffer ("rollout") of the roles."""
+    m, t = cfg.model, cfg.train
+    out = {}
+    for c, mod in modules.items():
+        frozen = [x for x in mod.parameters() if not (m.lora and x.requires_grad)] + list(mod.buffers())
+        dt = DTYPE_NAMES.get(next(mod.parameters()).dtype, "?")
+        vals = sum(x.numel() for x in {id(x): x for x in frozen}.values())
+        out[c] = [Item(f"{NAMES[c]} weights ({dt})", _gib(tensor_bytes(frozen)), f"{_count(vals)} values")]
+    adapter = tensor_bytes(trained)
+    if m.lora:
+        n = sum(p.numel() for p in trained)
+        out["transformer"].append(Item(f"LoRA adapter r{m.lora_rank} (fp32)", _gib(adapter), f"{_count(n)} params"))
+    what = "fp32 LoRA" if m.lora else DTYPE_NAMES[trained[0].dtype] + ", full fine-tuning"
+    actor = [Item(f"gradients ({what})", _gib(adapter)),
+             Item(f"AdamW exp_avg + exp_avg_sq ({what})", _gib(2 * adapter))]
+    if t.beta > 0 and not m.lora:
+        actor.append(Item(f"frozen reference copy (train.beta={t.beta:g})", out["transformer"][0].gib))
+    if t.ema_decay > 0:
+        actor.append(Item(f"EMA weights (train.ema_decay={t.ema_decay:g})", _gib(adapter)))
+    rollout = []
+    if cfg.engine.schedule == "stream" and not (cfg.engine.hybrid or cfg.engine.kind == "local"):
+        rollout.append(Item("staged weights (engine.schedule=stream)", _gib(adapter)))
+    return {**out, "actor": actor, "rollout": rollout}
+
+
+def _programs(cfg: Config, modules: dict, s: phases.Shapes, trained: list, opt) -> dict:
+    """Per role kind: (name, knob, program(b) or a fixed program, checkpointing) for each phase."""
+    smp = cfg.sampling
+    tr = modules["transformer"]
+    ckpt = cfg.model.gradient_checkpointing
+    recorded = smp.sde_window_size if smp.sde_window_size > 0 else smp.num_steps - 1
+    out = {"actor": [(f"training fwd+bwd, gradient checkpointing {'on' if c else 'off'}", TRAIN,
+                      lambda b: phases.train_step(tr, b, s, cfg), c) for c in (ckpt, not ckpt)]}
+    if opt is not None:
+        scaled = s.dtype == torch.float16 and cfg.train.fp16_loss_scale > 0 and cfg.model.lora
+        step = phases.optimizer_step(opt, trained, cfg, scaled)
+        out["actor"].append(("clip + AdamW step (foreach)", None, step, None))
+    if "vae" in modules:
+        guide = "CFG, " if smp.guidance_scale > 1 else ""
+        roll = [("text encoders (CLIP-L, CLIP-G, T5)", SAMPLE,
+                 lambda b: phases.text_encode([modules[f"text_encoder{x}"] for x in ("", "_2", "_3")], b, s), None),
+                (f"denoising forward ({guide}no grad)", SAMPLE,
+                 lambda b: phases.denoise_step(tr, b, s, cfg, smp.guidance_scale, recorded), None),
+                ("VAE decode (fp32)", SAMPLE, lambda b: phases.vae_decode(modules["vae"], b, s), None)]
+        if smp.eval_guidance_scale > 1 >= smp.guidance_scale and cfg.validation.every != -1:
+            roll.insert(2, ("validation denoising (CFG, no grad)", SAMPLE,
+                            lambda b: phases.denoise_step(tr, b, s, cfg, smp.eval_guidance_scale, 0), None))
+        out["rollout"] = roll
+    return out
+
+
+class _Measurer:
+    """Counts each phase at the configured micro-batch and at one other (1, or 2 when configured 1)."""
+
+    def __init__(self, cfg: Config, mode, transformer):
+        self.cfg, self.mode, self.tr = cfg, mode, transformer
+
+    def phases(self, programs) -> list[Phase]:
+        out = []
+        for name, knob, prog, ckpt in programs:
+            in_peak = ckpt is None or ckpt == self.cfg.model.gradient_checkpointing
+            if knob is None:
+                out.append(Phase(name, None, 0, _gib(self.count(prog, ckpt)), 0.0, in_peak, ckpt))
+                continue
+            b = self.cfg.train.micro_batch_size if knob == TRAIN else self.cfg.sampling.micro_batch_size
+            other = 1 if b > 1 else 2
+            p_b, p_o = (_gib(self.count(prog(x), ckpt)) for x in (b, other))
+            slope = (p_b - p_o) / (b - other)
+            out.append(Phase(name, knob, b, p_b - slope * b, slope, in_peak, ckpt))
+        return out
+
+    def count(self, program, ckpt: bool | None) -> int:
+        if ckpt is not None:  # the actor trains in train mode, with or without checkpointing
+            self.tr.train()
+            (self.tr.enable_gradient_checkpointing if ckpt else self.tr.disable_gradient_checkpointing)()
+        else:
+            self.tr.eval()
+        return peak_bytes(program, self.mode)
+
+
+def _placement(cfg: Config, roles: list[str]) -> str:
+    g = cfg.engine
+    if g.kind == "local":
+        return "engine.kind=local: one process, actor and rollout on one device (hybrid)"
+    if g.hybrid:
+        return f"engine.kind=ray, hybrid: {g.actor_workers} device(s), each holding actor and rollout"
+    return f"engine.kind=ray, decoupled: {g.actor_workers} actor device(s) + {g.rollout_workers} rollout device(s)"
+
+
+def _notes(cfg: Config) -> list[str]:
+    g, m = cfg.engine, cfg.model
+    notes = [f"fits = peak × {1 + FRAGMENTATION:g} + {RESERVE_GIB:g} GiB ≤ the card's capacity: the reserve is the "
+             "CUDA context and cuBLAS/NCCL workspaces, the 5 % the caching allocator's fragmentation (neither is "
+             "counted)"]
+    if g.kind == "ray" and not g.hybrid and g.gpus_per_worker < 1:
+        notes.append(f"engine.gpus_per_worker={g.gpus_per_worker:g}: hosts share a card, so their peaks add up")
+    if g.kind == "ray" and g.actor_workers > 1:
+        notes.append("data parallel: every actor rank holds the same (gradients are averaged in place)")
+    if not m.lora and m.dtype == "fp16" and cfg.train.fp16_loss_scale > 0:
+        notes.append("model.lora=false with model.dtype=fp16: the loss scaler refuses fp16 gradients at the first "
+                     "step; train in bf16, or keep a LoRA")
+    return notes
