@@ -16,7 +16,12 @@ stage with CUDA syncs. After the timed steps, at the final weights:
 - ratio check: one rollout at micro-batch 8, then `ActorWorker.update` replays its recorded SDE window at the same
   weights with training micro-batch 4 and 8 (mini-batch = the whole batch, so every sample is replayed before
   the one optimizer step; the weights are restored afterwards) and reports its `ratio_max_dev_before_update`,
-  max |ratio − 1|, flagged above 1e-3.
+  max |ratio − 1|, flagged above 1e-3. In bf16/fp16 (on unless --no-grad-check) it also compares the LoRA gradient
+  of that update (unscaled, caught by its grad_sync hook before clipping) with the gradient of the same update on
+  an fp32 copy (the same weights upcast, the same recorded batch and advantages; old log-probs recomputed in fp32
+  so that its ratio is 1 too): cosine (bar 0.99) and the fraction of exactly-zero entries. An adapter still at
+  PEFT's init (B = 0, so grad A ≡ 0) first gets a seeded random B (std 1e-3). fp16 trains with dynamic loss
+  scaling (train.fp16_loss_scale); --no-loss-scale turns it off, the control: its gradients underflow to zero.
 - memory: weights per component (parameters + buffers), optimizer state, and the peak allocated memory of each
   stage (encode, rollout, decode, train; rollout_ours and stock of the comparison; ratio_check), GiB of
   torch.cuda.max_memory_allocated, reset on entering each stage (n/a on a CPU, which reports its peak RSS).
@@ -31,11 +36,26 @@ steps × 3 (forward + backward: 1.4 PFLOP) ≈ 3.0 PFLOP, ≈ 8 s at 40 % of 989
 512 px image: 0.12 PFLOP) and the text encoders (T5-XXL: 2 × 4.7 G × 64 × 256 tokens ≈ 0.15 PFLOP) add ≈ 1 s.
 OCR adds ≈ 5–10 s of CPU per step when off (mostly hidden when on). 7 steps (1 warm-up + 3 per mode) ≈ 1.5–2 min;
 the stock comparison (1 warm-up + 3 reps of both rollouts, 64 images, ≈ 4 s each) ≈ 0.5 min; the ratio check (two
-replays of 64 × 3 steps with backward) ≈ 0.3 min; building on the GPU, imports, the OCR model ≈ 1 min.
-Total ≈ 3.5–4 min; allow 6.
+replays of 64 × 3 steps with backward) ≈ 0.3 min; its gradient check's fp32 copy (a recompute and a replay of
+64 × 3 steps in fp32 without TF32: ≈ 1.9 PFLOP at ≈ 40 of 67 TFLOP/s) ≈ 0.8 min; building on the GPU, imports,
+the OCR model ≈ 1 min. Total ≈ 4.5–5 min; allow 7.
 
     python scripts/bench_gpu.py                         # pure GPU (random rewards), random embeddings
     python scripts/bench_gpu.py --tiny --with-reward both --text-encoders --steps 1   # same code path, CPU, < 60 s
+
+fp16 gradient underflow at SD3.5-M's real width on a CPU (IEEE fp16 casts and subnormals equal a GPU's): N blocks
+(--layers; dual attention kept on the blocks < N that have it), no timed steps, only the ratio and gradient checks,
+on one 512 px image with a 3-step schedule whose 1 trained step is step 0 (σ 1 → 0.751) and 77 + 32 text tokens.
+--advantage-scale 1/96 gives that image the per-element gradient of GeRL's mini-batch of 32 images × 3 trained
+steps (the loss averages over both). fp16 GEMMs and the CPU flash-attention backward are emulated in fp32 with one
+rounding to fp16 per output (gerl/numerics.py: a GPU's fp16 numerics, ~100× faster than a CPU's fp16 GEMMs); the
+run says so. ≈ 15–30 s each on 2 cores, plus 5–20 s to build the first. Measured at 2 blocks: cosine with fp32
+1.00000 in fp16 (loss scale 2¹⁶), 0.99987 in bf16, 0 in fp16 with --no-loss-scale (every entry exactly zero; at
+advantage scale 1, 96× larger gradients, still 68 % zero and cosine 0.70):
+
+    python scripts/bench_gpu.py --device cpu --layers 2 --dtype fp16 --steps 0 --warmup 0 --no-stock --prompts 1 \
+        --group-size 1 --num-steps 3 --sde-window 1 --sde-window-range 0 1 --t5-tokens 32 --advantage-scale 0.0104167
+    # the same with --no-loss-scale (the control), or --dtype bf16
 
 --with-reward: none = random rewards (GPU work only); off = OCR after the whole batch is generated; on = each
 decoded micro-batch's OCR submitted as a future while generation goes on; both = off and on, alternating steps.
@@ -47,7 +67,10 @@ then the stock comparison, the ratio check and the memory attribution; `--out PA
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 import dataclasses
+import functools
 import importlib.util
 import json
 import statistics
@@ -71,13 +94,16 @@ from gerl.logging.throughput import (  # noqa: E402
 )
 from gerl.models.loader import add_lora  # noqa: E402
 from gerl.models.sd35_arch import RandomTokenEmbedder, build_component, load_config  # noqa: E402
+from gerl.numerics import Fp16GemmEmulation, perturb_fresh_lora, replay_check  # noqa: E402
 from gerl.sampling.loop import Embeds, Trajectory, denoise, make_schedule, sde_window  # noqa: E402
 from gerl.workers.actor import ActorWorker  # noqa: E402
 from gerl.workers.batch import RolloutBatch  # noqa: E402
 from gerl.workers.rollout import decode, latent_noise, sample_seed  # noqa: E402
 
-RATIO_BOUND = 1e-3  # max |ratio − 1| before any update that the ratio check accepts in bf16
+RATIO_BOUND = 1e-3  # max |ratio − 1| before any update that the ratio check accepts in bf16 / fp16
 STOCK_BAR = 0.95  # our rollout's images/s over the stock pipeline's that the issue asks for
+GRAD_COSINE_BAR = 0.99  # cos(LoRA gradient in bf16/fp16, in fp32) that the gradient check accepts
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")  # CLIP-L, CLIP-G, T5-XXL
 
 
@@ -97,34 +123,59 @@ class RandomEmbedder:
         return Embeds(to(torch.stack([p for p, _ in pairs])), to(torch.stack([q for _, q in pairs])))
 
 
+def sd35_transformer(layers: int | None, device: torch.device, dtype: torch.dtype):
+    """SD3.5-M's transformer at its real width (seed 0, random weights) with its first `layers` blocks (None: all
+    24); dual attention stays on the kept blocks that have it. On a CPU, built once per process and copied."""
+    if device.type == "cpu":
+        return copy.deepcopy(_cpu_transformer(layers)).to(dtype)
+    return _new_transformer(layers, device).to(dtype)
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_transformer(layers: int | None):
+    # its 384² sin-cos position table alone takes ~10 s on 2 cores: repeated runs in one process (tests) reuse it
+    return _new_transformer(layers, torch.device("cpu"))
+
+
+def _new_transformer(layers: int | None, device: torch.device):
+    import diffusers
+
+    cfg = load_config("transformer")
+    if layers is not None:
+        cfg.update(num_layers=layers, dual_attention_layers=[i for i in cfg["dual_attention_layers"] if i < layers])
+    torch.manual_seed(0)
+    with torch.device(device):
+        return getattr(diffusers, cfg["_class_name"]).from_config(cfg)
+
+
 def build(args, device: torch.device):
     """(namespace with transformer/vae/scheduler/text encoders, embedder, text_len) for SD3.5-M or the tiny SD3."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     encoders: dict = {}
+    dtype = DTYPES[args.dtype]
     if args.tiny:
         from gerl.models.tiny import T5_WIDTH, TOKEN_LENGTH, build_tiny_sd3
 
         pipe = build_tiny_sd3(0)
-        transformer, vae, scheduler = pipe.transformer, pipe.vae, pipe.scheduler
+        transformer, vae, scheduler = pipe.transformer.to(dtype), pipe.vae, pipe.scheduler
         text_len = 2 * TOKEN_LENGTH  # padded CLIP tokens + T5 tokens, as the tiny pipeline encodes them
-        dtype = torch.float32
         token_lengths = (TOKEN_LENGTH,) * 3
         if args.text_encoders:
             encoders = {name: getattr(pipe, name) for name in TEXT_ENCODERS}
         width = T5_WIDTH
     else:
         # SD3.5-Medium's published configs (assets/configs/sd3.5-medium), random weights
-        dtype = torch.bfloat16
-        torch.manual_seed(0)
         # initialise on the GPU: 2.5 B parameters initialise slowly on the CPU (and T5-XXL in fp32 is 19 GB)
-        transformer = build_component("transformer", device, dtype)
-        vae = build_component("vae", device, dtype)
+        transformer = sd35_transformer(args.layers, device, dtype)
+        torch.manual_seed(1)
+        # an fp16 VAE's decoder overflows to NaN (gerl.workers.rollout.decode): fp32 beside an fp16 transformer
+        vae = build_component("vae", device, torch.float32 if dtype == torch.float16 else dtype)
         scheduler = FlowMatchEulerDiscreteScheduler.from_config(load_config("scheduler"))
-        text_len = text_seq_len(256)
-        token_lengths = (77, 77, 256)
+        text_len = text_seq_len(args.t5_tokens)
+        token_lengths = (77, 77, args.t5_tokens)
         if args.text_encoders:
-            encoders = {name: build_component(name, device, dtype) for name in TEXT_ENCODERS}
+            encoders = {name: build_component(name, device, torch.bfloat16) for name in TEXT_ENCODERS}
         width = transformer.config.joint_attention_dim
     for module in (transformer, vae, *encoders.values()):
         module.to(device).requires_grad_(False).eval()
@@ -215,8 +266,9 @@ def run_step(step: int, mode: str, ctx) -> dict:
 
 # ------------------------------------------------------------------ our rollout vs the stock diffusers pipeline
 
-def our_rollout(ctx, embeds: list[Embeds], step: int) -> tuple[list[Trajectory], list]:
-    """Our rollout of one step on precomputed per-micro-batch embeddings: `denoise` (SDE window recorded) + `decode`."""
+def our_rollout(ctx, embeds: list[Embeds], step: int, images_too: bool = True) -> tuple[list[Trajectory], list]:
+    """Our rollout of one step on precomputed per-micro-batch embeddings: `denoise` (SDE window recorded) + `decode`
+    (unless not `images_too`)."""
     s, dev = ctx.sampling, ctx.device
     window = step_window(ctx, step)
     trajs, images = [], []
@@ -225,7 +277,7 @@ def our_rollout(ctx, embeds: list[Embeds], step: int) -> tuple[list[Trajectory],
         traj = denoise(ctx.pipe.transformer, emb, noise.to(dev), ctx.schedule, window, s.sampler, s.noise_level,
                        s.guidance_scale, gens)
         trajs.append(traj)
-        images += decode(ctx.pipe.vae, traj.final_latents)
+        images += decode(ctx.pipe.vae, traj.final_latents) if images_too else []
     return trajs, images
 
 
@@ -284,27 +336,28 @@ def compare_stock(ctx, embeds: list[Embeds], reps: int, warmup: int = 1) -> tupl
             "output_type": "pil"}, trajs
 
 
-# ------------------------------------------------------------------ bf16 ratio check
+# ------------------------------------------------------------------ ratio check and gradient check
 
-def ratio_check(ctx, embeds: list[Embeds], trajs: list[Trajectory], micro_sizes: tuple[int, ...]) -> dict[int, float]:
-    """{training micro-batch: max |ratio − 1|} of `ActorWorker.update` replaying the recorded SDE window of step 0's
-    rollout (`trajs`, from `embeds`) at the rollout's weights. Mini-batch = the whole batch, so every replay happens
-    before the one optimizer step; the trained weights are restored after each size."""
+def ratio_check(ctx, embeds: list[Embeds], trajs: list[Trajectory], micro_sizes: tuple[int, ...],
+                grad_check: bool) -> dict:
+    """gerl.numerics.replay_check of step 0's rollout (`trajs`, from `embeds`): max |ratio − 1| of
+    `ActorWorker.update` per training micro-batch, and with `grad_check` its LoRA gradient against an fp32 copy's."""
     prompts, metadata, group_ids = step_prompts(ctx, 0)
     batch = RolloutBatch(prompts=prompts, metadata=metadata, group_ids=group_ids, embeds=Embeds.cat(embeds),
                          schedule=ctx.schedule, traj=Trajectory.cat(trajs), images=[], policy_version=0)
-    advantages = torch.randn(ctx.images, generator=torch.Generator().manual_seed(0))
-    state = ctx.actor.trainable_state()
-    out = {}
-    for mb in micro_sizes:
-        train = dataclasses.replace(ctx.train, micro_batch_size=mb, mini_batch_size=ctx.images,
-                                    recompute_old_log_probs=False)
-        probe = ActorWorker(ctx.pipe.transformer, train, ModelConfig(lora=True, lora_rank=ctx.args.lora_rank),
-                            ctx.sampling, max_steps=1, images_per_step=ctx.images, seed=0)
-        with ctx.peaks.stage("ratio_check"):
-            out[mb] = probe.update(batch, advantages, 0)["ratio_max_dev_before_update"]
-        ctx.actor.load_trainable_state(state)
-    return out
+    advantages = torch.randn(ctx.images, generator=torch.Generator().manual_seed(0)) * ctx.args.advantage_scale
+
+    def make_actor(transformer, micro: int, grad_sync, recompute: bool) -> ActorWorker:
+        train = dataclasses.replace(ctx.train, micro_batch_size=micro, mini_batch_size=ctx.images,
+                                    recompute_old_log_probs=recompute)
+        return ActorWorker(transformer, train, ModelConfig(lora=True, lora_rank=ctx.args.lora_rank), ctx.sampling,
+                           max_steps=1, images_per_step=ctx.images, seed=0, grad_sync=grad_sync)
+
+    out = replay_check(make_actor, ctx.pipe.transformer, batch, advantages, micro_sizes, grad_check,
+                       ctx.peaks.stage, GRAD_COSINE_BAR)
+    if grad_check:
+        out["grad_check"].update(dtype=ctx.args.dtype, advantage_scale=ctx.args.advantage_scale)
+    return {"rollout_micro_batch": ctx.sampling.micro_batch_size, "bound": RATIO_BOUND, **out}
 
 
 # ------------------------------------------------------------------ report
@@ -318,6 +371,19 @@ def memory_report(ctx) -> dict:
     return {"weights_gib": weights, "stage_peak_gib": dict(ctx.peaks.peaks),
             "run_peak_gib": ctx.peaks.overall if ctx.peaks.cuda else peak_memory_gib(ctx.device),
             "peak_kind": "cuda max_memory_allocated" if ctx.peaks.cuda else "process peak RSS (CPU)"}
+
+
+def grad_check_line(g: dict, emulated: bool) -> str:
+    scaling = ("" if g["dtype"] != "fp16" else
+               f", loss scale {g['loss_scale']:g}" if g["loss_scale"] else ", loss scaling OFF (the control)")
+    emulation = ", fp16 GEMMs emulated in fp32 on the CPU (gerl/numerics.py)" if emulated else ""
+    verdict = "ok" if g["cosine"] >= g["bar"] else "FAILS"
+    return (f"gradient check: LoRA gradient of ActorWorker.update in {g['dtype']}{scaling}{emulation} vs an fp32 "
+            f"copy (same weights, batch, advantages x {g['advantage_scale']:.4g}), training micro-batch "
+            f"{g['micro_batch']} x {g['trained_steps']} step(s): cosine {g['cosine']:.5f} ({verdict}, bar {g['bar']}), "
+            f"exactly-zero entries {g['zero_fraction']:.2%} (fp32 {g['reference_zero_fraction']:.2%}) of "
+            f"{g['entries']}, |g|/|g_fp32| {g['norm_ratio']:.4g}, clipfrac {g['clipfrac']:.2f} "
+            f"(fp32 {g['reference_clipfrac']:.2f})")
 
 
 def print_extras(summary: dict) -> None:
@@ -334,16 +400,19 @@ def print_extras(summary: dict) -> None:
             flag = "EXCEEDS" if dev > r["bound"] else "within"
             print(f"ratio check: rollout micro-batch {r['rollout_micro_batch']}, training micro-batch {mb}: "
                   f"max |ratio - 1| = {dev:.3e} ({flag} bound {r['bound']:g})")
+        if "grad_check" in r:
+            print(grad_check_line(r["grad_check"], summary["fp16_gemm_emulation"]))
     m = summary["memory"]
     print("memory weights GiB: " + ", ".join(f"{k} {gib(v)}" for k, v in m["weights_gib"].items()))
     print("memory stage peaks GiB: " + ", ".join(f"{k} {gib(v)}" for k, v in m["stage_peak_gib"].items())
           + f"; run peak {gib(m['run_peak_gib'])} ({m['peak_kind']})")
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, str | None]:
+    """(args with the defaults filled in, the reason they cannot run or None)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tiny", action="store_true", help="the tiny offline SD3 on CPU (smoke test of the same code path)")
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per reward mode")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per reward mode (0: only the checks)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps first (kernel selection, OCR model load)")
     ap.add_argument("--with-reward", choices=["none", "off", "on", "both"], default="none")
     ap.add_argument("--prompts", type=int, default=None, help="prompts per step (default 8; --tiny 2)")
@@ -352,6 +421,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lora-rank", type=int, default=32, help="LoRA r (alpha = 2r)")
     ap.add_argument("--reward-workers", type=int, default=2, help="OCR reward threads")
     ap.add_argument("--device", default=None, help="default: cuda (cpu with --tiny)")
+    ap.add_argument("--layers", type=int, default=None, help="SD3.5-M's first N of its 24 blocks, real width")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                    help="the transformer's frozen weights (default bf16; --tiny fp32); the LoRA stays fp32")
+    ap.add_argument("--no-loss-scale", action="store_true",
+                    help="fp16: train.fp16_loss_scale=0, the control whose gradients underflow to zero")
+    ap.add_argument("--num-steps", type=int, default=10, help="denoising steps per rollout")
+    ap.add_argument("--sde-window", type=int, default=3, help="stochastic (and trained) steps per rollout")
+    ap.add_argument("--sde-window-range", type=int, nargs=2, default=[0, 5], metavar=("LO", "HI"),
+                    help="the window lies in steps [LO, HI)")
+    ap.add_argument("--t5-tokens", type=int, default=None, help="T5 tokens after CLIP's 77 (default 256)")
     ap.add_argument("--text-encoders", action="store_true",
                     help="build CLIP-L, CLIP-G, T5-XXL (random weights, bf16, on the device; tiny ones with --tiny) "
                          "and encode random token ids every micro-batch instead of random embeddings")
@@ -360,28 +439,75 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stock-reps", type=int, default=3, help="timed repetitions of each rollout (after 1 warm-up)")
     ap.add_argument("--ratio-check", action=argparse.BooleanOptionalAction, default=True,
                     help="max |ratio - 1| before any update with training micro-batch 4 and 8")
+    ap.add_argument("--grad-check", action=argparse.BooleanOptionalAction, default=None,
+                    help="the ratio check's LoRA gradient against an fp32 copy's (default: on unless --dtype fp32)")
+    ap.add_argument("--advantage-scale", type=float, default=1.0,
+                    help="multiplies the ratio check's random advantages: the loss averages over the mini-batch and "
+                         "the trained steps, so 1/96 gives each image the per-element gradient of GeRL's 32 × 3")
     ap.add_argument("--out", type=Path, default=None, help="write the summary as JSON to this file")
     args = ap.parse_args(argv)
     args.prompts = args.prompts or (2 if args.tiny else 8)
     args.group_size = args.group_size or (4 if args.tiny else 8)
     args.resolution = args.resolution or (64 if args.tiny else 512)
+    args.dtype = args.dtype or ("fp32" if args.tiny else "bf16")
+    args.grad_check = args.grad_check if args.grad_check is not None else args.dtype != "fp32"
+    errors = [msg for bad, msg in [
+        (args.tiny and args.layers is not None, "--layers is for SD3.5-M, not --tiny"),
+        (args.tiny and args.t5_tokens is not None, "--t5-tokens is for SD3.5-M, not --tiny"),
+        (args.layers is not None and not 1 <= args.layers <= 24, "--layers must be 1 to 24"),
+        (args.no_loss_scale and args.dtype != "fp16", "--no-loss-scale needs --dtype fp16 (only fp16 scales)"),
+        (not 0 <= args.sde_window < args.num_steps, "--sde-window must be in [0, --num-steps)"),
+        (args.sde_window and not 0 <= args.sde_window_range[0] <= args.sde_window_range[1] - args.sde_window,
+         "--sde-window-range LO HI must hold the window: 0 <= LO <= HI - window"),
+    ] if bad]
+    args.t5_tokens = args.t5_tokens or 256
+    return args, "; ".join(errors) or None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, error = parse_args(argv)
+    if error:
+        print(f"bench_gpu: {error}", file=sys.stderr)
+        return 2
     device = torch.device(args.device or ("cpu" if args.tiny else "cuda"))
     if device.type == "cuda" and not torch.cuda.is_available():
-        print("bench_gpu: no CUDA device; run with --tiny on a CPU machine", file=sys.stderr)
+        print("bench_gpu: no CUDA device; run with --tiny (or --device cpu --layers N) on a CPU machine",
+              file=sys.stderr)
         return 2
     if args.with_reward != "none" and importlib.util.find_spec("rapidocr") is None:
         print(f"bench_gpu: --with-reward {args.with_reward} needs the OCR reward's rapidocr, which is not installed; "
               "install it with `bash scripts/setup.sh --wheelhouse DIR` (or run with --with-reward none)",
               file=sys.stderr)
         return 2
+    emulate = device.type == "cpu" and args.dtype == "fp16"
+    if emulate:
+        print("bench_gpu: fp16 GEMM emulation ON (CPU): fp16 mm/addmm/bmm/baddbmm and the flash-attention backward "
+              "run in fp32 and round each output to fp16 once, as a GPU's fp32-accumulating fp16 GEMM does "
+              "(gerl/numerics.py); activations, inter-layer gradients and casts stay real fp16")
+    with Fp16GemmEmulation() if emulate else contextlib.nullcontext() as emulation:
+        summary = run(args, device)
+    summary["fp16_gemm_emulation"] = emulate
+    summary["fp16_gemm_emulated_calls"] = emulation.calls if emulate else 0
+    print_extras(summary)
+    print(f"peak memory {summary['peak_mem_gib']:.1f} GiB; total wall {summary['wall_s']:.0f} s")
+    print("BENCH_JSON " + json.dumps(summary))
+    if args.out is not None:
+        args.out.write_text(json.dumps(summary, indent=1) + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
+def run(args, device: torch.device) -> dict:
+    """Build, the timed steps, the stock comparison, the ratio check: the summary (printed as it goes)."""
     images = args.prompts * args.group_size
     micro = min(8, images)
     pipe, embedder, text_len = build(args, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # building T5-XXL peaks at its fp32 size; not a step's memory
-    sampling = SamplingConfig(sampler="cps", num_steps=10, noise_level=0.8, sde_window_size=3, sde_window_range=[0, 5],
-                              micro_batch_size=micro, guidance_scale=1.0)
-    train = TrainConfig(learning_rate=1e-4, mini_batch_size=min(32, images), micro_batch_size=micro, clip_range=1e-4)
+    sampling = SamplingConfig(sampler="cps", num_steps=args.num_steps, noise_level=0.8, sde_window_size=args.sde_window,
+                              sde_window_range=list(args.sde_window_range), micro_batch_size=micro, guidance_scale=1.0)
+    train = TrainConfig(learning_rate=1e-4, mini_batch_size=min(32, images), micro_batch_size=micro, clip_range=1e-4,
+                        fp16_loss_scale=0.0 if args.no_loss_scale else TrainConfig.fp16_loss_scale)
     actor = ActorWorker(pipe.transformer, train, ModelConfig(lora=True, lora_rank=args.lora_rank), sampling,
                         max_steps=1000, images_per_step=images, seed=0)
     vae_factor = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
@@ -408,53 +534,59 @@ def main(argv: list[str] | None = None) -> int:
     if rewards is not None:
         rewards.close()
     extras: dict = {}
+    if args.ratio_check and args.grad_check and perturb_fresh_lora(pipe.transformer):
+        print("gradient check: the fresh adapter's lora_B drawn from N(0, 1e-3²), seed 0 (at B = 0, grad A = 0)")
     embeds = step_embeds(ctx, 0) if args.stock or args.ratio_check else None
     trajs = None
     if args.stock:
         extras["stock"], trajs = compare_stock(ctx, embeds, args.stock_reps)
     if args.ratio_check:
-        trajs = trajs or our_rollout(ctx, embeds, 0)[0]
-        sizes = tuple(sorted({min(4, micro), micro}))
-        extras["ratio_check"] = {"rollout_micro_batch": micro, "bound": RATIO_BOUND,
-                                 "max_abs_ratio_minus_1": ratio_check(ctx, embeds, trajs, sizes)}
+        trajs = trajs or our_rollout(ctx, embeds, 0, images_too=False)[0]
+        extras["ratio_check"] = ratio_check(ctx, embeds, trajs, tuple(sorted({min(4, micro), micro})), args.grad_check)
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    peak = peak_tflops_for(name, "fp32" if args.tiny else "bf16")
+    peak = peak_tflops_for(name, args.dtype)
+    trained = rows[modes[0]][0]["trained_steps"] if args.steps else len(step_window(ctx, 0))
     flops = flow_grpo_step_flops(dict(pipe.transformer.config), resolution=args.resolution, text_len=text_len,
                                  images=images, num_steps=sampling.num_steps, guidance_scale=sampling.guidance_scale,
-                                 trained_steps=rows[modes[0]][0]["trained_steps"], inner_epochs=train.inner_epochs,
-                                 vae_scale_factor=vae_factor)
-    print(f"{'tiny SD3' if args.tiny else 'SD3.5-M architecture (random weights)'} on {name}: {args.prompts}×"
-          f"{args.group_size} images at {args.resolution}px, micro-batch {micro}, {sampling.num_steps} steps, "
-          f"CPS window {sampling.sde_window_size} in {sampling.sde_window_range}, LoRA r{args.lora_rank}, "
+                                 trained_steps=trained, inner_epochs=train.inner_epochs, vae_scale_factor=vae_factor)
+    model = "tiny SD3" if args.tiny else "SD3.5-M architecture (random weights)"
+    if args.layers is not None:
+        model += f", {args.layers} of 24 blocks"
+    print(f"{model} in {args.dtype} on {name}: {args.prompts}×{args.group_size} images at {args.resolution}px, "
+          f"micro-batch {micro}, {sampling.num_steps} steps, CPS window {sampling.sde_window_size} in "
+          f"{sampling.sde_window_range}, LoRA r{args.lora_rank}, {text_len} text tokens, "
           f"{'text encoders on random token ids' if args.text_encoders else 'random embeddings'}; "
           f"{args.steps} timed step(s) per mode after {args.warmup} warm-up; medians")
     print(f"transformer FLOPs per step: rollout {flops['rollout'] / 1e12:.4g} T, train {flops['train'] / 1e12:.4g} T; "
           f"device peak {peak:g} TFLOP/s")
+    summary = {"device": name, "dtype": args.dtype, "layers": pipe.transformer.config.num_layers,
+               "images_per_step": images, "resolution": args.resolution, "text_len": text_len, "peak_tflops": peak,
+               "text_encoders": args.text_encoders, "step_tflop": flops["total"] / 1e12,
+               "modes": step_table(rows, flops, peak, images) if args.steps else {}}
+    summary.update(extras, memory=memory_report(ctx))
+    summary["peak_mem_gib"] = summary["memory"]["run_peak_gib"]
+    summary["wall_s"] = time.perf_counter() - t_start  # after building
+    return summary
+
+
+def step_table(rows: dict[str, list[dict]], flops: dict, peak: float, images: int) -> dict:
+    """Print the timed steps' medians per reward mode (and MFU); return them."""
     keys = ["step_s", "encode_s", "generate_s", "decode_s", "reward_wait_s", "reward_compute_s", "train_s"]
     print(f"{'reward':<8}" + "".join(f"{k:>17}" for k in keys) + f"{'images/s/GPU':>14}{'MFU':>7}{'gen MFU':>9}{'train MFU':>10}")
-    summary = {"device": name, "images_per_step": images, "resolution": args.resolution, "peak_tflops": peak,
-               "text_encoders": args.text_encoders, "step_tflop": flops["total"] / 1e12, "modes": {}}
     fmt = lambda v: "n/a" if v is None else f"{v:.1%}"  # noqa: E731
-    for mode in modes:
-        med = {k: statistics.median(r[k] for r in rows[mode]) for k in keys}
+    out = {}
+    for mode, mode_rows in rows.items():
+        med = {k: statistics.median(r[k] for r in mode_rows) for k in keys}
         ips = images / med["step_s"]
         m_all = mfu(flops["total"], med["step_s"], 1, peak)
         m_gen = mfu(flops["rollout"], med["generate_s"], 1, peak)
         m_train = mfu(flops["train"], med["train_s"], 1, peak)
         print(f"{mode:<8}" + "".join(f"{med[k]:>17.3f}" for k in keys) + f"{ips:>14.3f}{fmt(m_all):>7}{fmt(m_gen):>9}{fmt(m_train):>10}")
-        summary["modes"][mode] = {**med, "images_per_s_per_gpu": ips, "mfu": m_all, "generate_mfu": m_gen, "train_mfu": m_train}
-    if len(modes) == 2:
-        print(f"with_reward on/off step time: {summary['modes']['on']['step_s'] / summary['modes']['off']['step_s']:.2f}x")
-    summary.update(extras, memory=memory_report(ctx))
-    summary["peak_mem_gib"] = summary["memory"]["run_peak_gib"]
-    print_extras(summary)
-    print(f"peak memory {summary['peak_mem_gib']:.1f} GiB; total wall {time.perf_counter() - t_start:.0f} s")
-    print("BENCH_JSON " + json.dumps(summary))
-    if args.out is not None:
-        args.out.write_text(json.dumps(summary, indent=1) + "\n")
-        print(f"wrote {args.out}")
-    return 0
+        out[mode] = {**med, "images_per_s_per_gpu": ips, "mfu": m_all, "generate_mfu": m_gen, "train_mfu": m_train}
+    if len(out) == 2:
+        print(f"with_reward on/off step time: {out['on']['step_s'] / out['off']['step_s']:.2f}x")
+    return out
 
 
 if __name__ == "__main__":

@@ -1,16 +1,21 @@
 """scripts/bench_gpu.py's issue parts on the tiny SD3 (CPU, fp32), through the script's own main(argv): our rollout
 against diffusers' StableDiffusion3Pipeline, the pre-update ratio check at training micro-batch 4 and 8, the tiny
-text encoders on random token ids, memory attribution, --out; and its one-line errors (exit 2)."""
+text encoders on random token ids, memory attribution, --out; its one-line errors (exit 2); the gradient check at
+SD3.5-M's real width (2 blocks, 512 px) in fp16 with and without loss scaling and in bf16; and the CPU fp16 GEMM
+emulation (gerl/numerics.py) against real fp16 ops."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import re
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+from gerl.numerics import Fp16GemmEmulation
 from tests.scripts import load_script
 
 bench = load_script("bench_gpu")
@@ -72,3 +77,127 @@ def test_no_cuda_without_tiny_is_a_one_line_error(capsys):
     assert bench.main([]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "--tiny" in err
+
+
+def test_bad_numerics_flags_are_one_line_errors(capsys):
+    assert bench.main(["--tiny", "--no-loss-scale", "--layers", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "--no-loss-scale needs --dtype fp16" in err and "--layers is for SD3.5-M" in err
+
+
+# ------------------------------------------------------------------ fp16 gradients at SD3.5-M's real width
+
+# One 512 px image (latents 16 × 64 × 64), 2 blocks at SD3.5-M's width (block 0 with dual attention), LoRA r32,
+# 77 + 32 text tokens instead of 333, a 3-step schedule whose one trained step is step 0 (σ 1 → 0.751): its
+# per-element gradient is ~2× that of any step of GeRL's 10-step window, so underflow here holds there a fortiori.
+# The loss averages over the mini-batch and the trained steps: GeRL's 32 images × 3 steps weigh each image's step
+# by 1/96, which advantages × 1/96 reproduce exactly for one image (a micro-batch of 8 computes the same
+# per-sample gradients). Each run ≈ 15–25 s on 2 cores: build (once), 3 rollout forwards, the update, the fp32 copy.
+REAL_WIDTH = ["--device", "cpu", "--layers", "2", "--steps", "0", "--warmup", "0", "--no-stock", "--prompts", "1",
+              "--group-size", "1", "--resolution", "512", "--num-steps", "3", "--sde-window", "1",
+              "--sde-window-range", "0", "1", "--t5-tokens", "32", "--advantage-scale", str(1 / 96)]
+
+
+@pytest.fixture
+def two_threads():
+    n = torch.get_num_threads()
+    torch.set_num_threads(2)  # the suite runs single-threaded (tests/conftest.py); real width wants both cores
+    yield
+    torch.set_num_threads(n)
+    bench._cpu_transformer.cache_clear()  # the cached 2-block fp32 build holds ~1.6 GB
+
+
+def real_width_run(extra: list[str], capsys) -> tuple[dict, str]:
+    with torch.random.fork_rng():
+        assert bench.main(REAL_WIDTH + extra) == 0
+    printed = capsys.readouterr().out
+    line = next(ln for ln in printed.splitlines() if ln.startswith("BENCH_JSON "))
+    return json.loads(line.split(" ", 1)[1]), printed
+
+
+def test_fp16_gradients_need_loss_scaling_at_real_width(two_threads, capsys):
+    runs = {name: real_width_run(extra, capsys) for name, extra in [
+        ("fp16", ["--dtype", "fp16"]), ("fp16_unscaled", ["--dtype", "fp16", "--no-loss-scale"]),
+        ("bf16", ["--dtype", "bf16"])]}
+    for name, (s, printed) in runs.items():
+        assert s["layers"] == 2 and s["resolution"] == 512 and s["text_len"] == 77 + 32, name
+        r = s["ratio_check"]
+        assert r["max_abs_ratio_minus_1"]["1"] < r["bound"], name  # the replay reproduces the rollout
+        g = r["grad_check"]
+        assert g["micro_batch"] == 1 and g["trained_steps"] == 1 and g["finite"], name
+        assert g["clipfrac"] == 0 and g["reference_clipfrac"] == 0, name  # no sample silenced by the clip
+        assert g["entries"] > 2_000_000 and g["reference_zero_fraction"] < 0.1, name  # the fp32 gradient is dense
+        assert "gradient check: LoRA gradient of ActorWorker.update in " + s["dtype"] in printed, name
+        # fp16 on the CPU: GEMMs emulated (and said so); bf16 runs for real
+        emulated = s["dtype"] == "fp16"
+        assert s["fp16_gemm_emulation"] is emulated and (s["fp16_gemm_emulated_calls"] > 0) is emulated, name
+        assert ("fp16 GEMM emulation ON" in printed) is emulated, name
+        assert ("emulated in fp32 on the CPU" in printed) is emulated, name
+    cos = {name: s["ratio_check"]["grad_check"]["cosine"] for name, (s, _) in runs.items()}
+    zero = {name: s["ratio_check"]["grad_check"]["zero_fraction"] for name, (s, _) in runs.items()}
+    g16, g16u, gbf = (runs[n][0]["ratio_check"]["grad_check"] for n in ("fp16", "fp16_unscaled", "bf16"))
+    # measured: fp16 scaled 1.00000 (zeros 6.4 % vs fp32 4.3 %), bf16 0.99987, fp16 unscaled 0 (zeros 100 %)
+    assert cos["fp16"] >= 0.99 and cos["bf16"] >= 0.99, cos
+    assert g16["loss_scale"] == 65536 and gbf["loss_scale"] is None and g16u["loss_scale"] is None
+    # unscaled before anything reads them: the same size as fp32's (a missing unscale would leave them 65536×)
+    assert 0.95 < g16["norm_ratio"] < 1.05 and 0.95 < gbf["norm_ratio"] < 1.05, (g16, gbf)
+    # the control: without loss scaling every gradient underflows in fp16 and the LoRA learns nothing
+    assert cos["fp16_unscaled"] < 0.99 and zero["fp16_unscaled"] > 0.99, (cos, zero)
+    control_printed = runs["fp16_unscaled"][1]
+    assert "loss scaling OFF (the control)" in control_printed and "(FAILS, bar 0.99)" in control_printed
+
+
+# ------------------------------------------------------------------ the emulation against real fp16 ops
+
+def test_fp16_gemm_emulation_matches_real_fp16_ops():
+    """On small shapes (where the CPU's own fp16 kernels are quick) the emulated products agree with the real ones
+    to within one fp16 rounding, stay fp16, and flush a sub-subnormal gradient to zero exactly as real fp16 does."""
+    def h(*shape):
+        return torch.randn(*shape).half()
+
+    def ops():
+        torch.manual_seed(1)
+        a, b, c = h(33, 70), h(70, 45), h(45)
+        x, y, z = h(3, 33, 70), h(3, 70, 45), h(3, 33, 45)
+        return {"mm": a @ b, "addmm": torch.addmm(c, a, b, beta=0.5, alpha=2.0), "bmm": torch.bmm(x, y),
+                "baddbmm": torch.baddbmm(z, x, y), "linear": F.linear(h(2, 5, 70), b.t(), c),
+                "matmul_4d": h(2, 4, 33, 70) @ h(2, 4, 70, 45), "mv": a @ h(70), "dot": h(70) @ h(70)}
+
+    real = ops()
+    mode = Fp16GemmEmulation()
+    with mode:
+        emulated = ops()
+    assert mode.calls == len(real)
+    for name, r in real.items():
+        e = emulated[name]
+        assert e.dtype == torch.float16 and e.shape == r.shape, name
+        # one fp16 rounding of (almost) the same fp32 sum: equal, or one ulp apart where the sums straddle a tie
+        torch.testing.assert_close(e.float(), r.float(), rtol=2 * 2.0**-10, atol=2.0**-14, msg=name)
+        assert (e == r).float().mean() > 0.99, name
+
+    def attention_grads():
+        torch.manual_seed(2)
+        q, k, v = (h(1, 2, 16, 8).requires_grad_() for _ in range(3))
+        out = F.scaled_dot_product_attention(q, k, v)
+        (out.float() * torch.linspace(-1, 1, 8)).sum().backward()
+        return out.detach(), [t.grad for t in (q, k, v)]
+
+    out_real, grads_real = attention_grads()
+    with Fp16GemmEmulation() as mode:
+        out_emulated, grads_emulated = attention_grads()
+    assert mode.calls >= 1 and torch.equal(out_emulated, out_real)  # the forward is not emulated
+    for gr, ge in zip(grads_real, grads_emulated):
+        assert ge.dtype == torch.float16
+        torch.testing.assert_close(ge.float(), gr.float(), rtol=4 * 2.0**-10, atol=1e-3)
+
+    # underflow stays real: 1e-9 per element through a frozen fp16 linear, as at the end of predict_velocity
+    def input_grad(scale: float) -> torch.Tensor:
+        torch.manual_seed(3)
+        w, x = h(64, 64), h(4, 64).requires_grad_()
+        (F.linear(x, w).float() * 1e-9 * scale).sum().backward()
+        return x.grad
+
+    for mode in (contextlib.nullcontext(), Fp16GemmEmulation()):
+        with mode:
+            assert not input_grad(1.0).any()  # the gradient reaching the fp16 output is 0 in fp16
+            assert input_grad(2.0**16).all()  # × the loss scale it survives
