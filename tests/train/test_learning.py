@@ -9,6 +9,9 @@ fallen from 0.49 to 0.05. The training reward is no test of learning here: it mo
 """
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from gerl.config import load_config
@@ -18,15 +21,15 @@ REPO = Path(__file__).resolve().parents[2]
 STEPS = 24
 
 
-def _run(tmp_path, *extra) -> tuple[dict[int, float], float]:
-    """({step: held-out validation reward}, mean training reward of the last 8 steps)."""
-    cfg = load_config(str(REPO / "recipes" / "ocr_mini.yaml"), [
-        f"output_dir={tmp_path}", f"max_steps={STEPS}",
-        f"data.train_prompts={REPO / 'assets/ocr_mini/train.txt'}",
-        f"data.test_prompts={REPO / 'assets/ocr_mini/test.txt'}",
-        "log.tensorboard=false", "log.progress_bar=false", "log.images_every=0", "checkpoint.every=0", *extra])
-    train(cfg)
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+def _overrides(run_dir, *extra) -> list[str]:
+    return [f"output_dir={run_dir}", f"max_steps={STEPS}", f"data.train_prompts={REPO / 'assets/ocr_mini/train.txt'}",
+            f"data.test_prompts={REPO / 'assets/ocr_mini/test.txt'}", "log.tensorboard=false",
+            "log.progress_bar=false", "log.images_every=0", "checkpoint.every=0", *extra]
+
+
+def _read(run_dir) -> tuple[dict[int, float], float]:
+    """({step: held-out validation reward}, mean training reward of the last 8 steps) of a finished run."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rewards = [r["reward_mean"] for r in rows if r.get("reward_mean") is not None]
     assert len(rewards) == STEPS
     assert max(r["ratio_max_dev_before_update"] for r in rows if "ratio_max_dev_before_update" in r) < 1e-4
@@ -35,8 +38,24 @@ def _run(tmp_path, *extra) -> tuple[dict[int, float], float]:
 
 
 def test_held_out_ocr_reward_rises_and_flipped_advantage_lowers_it(tmp_path):
-    learn, learn_train = _run(tmp_path / "learn", f"validation.every={STEPS}")  # validates at steps 0 and 24
-    flip, flip_train = _run(tmp_path / "flip", "validation.every=0", "train.flip_advantage=true")  # at step 24
+    # The flipped run trains in a second process at the same time (one torch thread each, as this suite runs):
+    # the two runs share no state, and the suite's wall time is nearly halved.
+    flip_dir = tmp_path / "flip"
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
+    flip_proc = subprocess.Popen(
+        [sys.executable, "-c", "import torch, sys; torch.set_num_threads(1); from gerl.cli import main; "
+         "sys.exit(main(sys.argv[1:]))", "train", str(REPO / "recipes" / "ocr_mini.yaml"),
+         *_overrides(flip_dir, "validation.every=0", "train.flip_advantage=true")],  # validates at step 24
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        train(load_config(str(REPO / "recipes" / "ocr_mini.yaml"),
+                          _overrides(tmp_path / "learn", f"validation.every={STEPS}")))  # validates at 0 and 24
+        _, err = flip_proc.communicate(timeout=900)
+    finally:
+        flip_proc.kill()
+    assert flip_proc.returncode == 0, err[-2000:]
+    learn, learn_train = _read(tmp_path / "learn")
+    flip, flip_train = _read(flip_dir)
     base = learn[0]
     summary = (f"held-out OCR {base:.3f} → {learn[STEPS]:.3f} learning, → {flip[STEPS]:.3f} flipped; training reward "
                f"of the last 8 steps {learn_train:.3f} learning, {flip_train:.3f} flipped")
