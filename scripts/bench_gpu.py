@@ -24,11 +24,18 @@ stage with CUDA syncs. After the timed steps, at the final weights:
   scaling (train.fp16_loss_scale); --no-loss-scale turns it off, the control: its gradients underflow to zero.
 - memory: weights per component (parameters + buffers), optimizer state, and the peak allocated memory of each
   stage (encode, rollout, decode, train; rollout_ours and stock of the comparison; ratio_check), GiB of
-  torch.cuda.max_memory_allocated, reset on entering each stage (n/a on a CPU, which reports its peak RSS).
+  torch.cuda.max_memory_allocated, reset on entering each stage (n/a on a CPU, which reports its peak RSS); on
+  the whole model each stage's transient (peak − allocated on entry) beside `gerl plan`'s prediction for it.
 
-The issue's run, one H100 (everything above, OCR reward off vs on, the text encoders resident):
+The day a GPU is lent, two commands (a ~5 min and a ~4 min run):
 
     python scripts/bench_gpu.py --with-reward both --text-encoders --out bench_gpu.json
+    python scripts/bench_gpu.py --launchers --out bench_launchers.json
+
+The second runs each of the five run_sd3_fast_*.sh launchers for 2 steps on this one GPU, each host on a share of it
+(engine.gpus_per_worker = 1/hosts), on ocr-mini at 64 px (scripts/bench_gpu_launchers.py): grad_norm > 0 and
+max |ratio − 1| ≤ 1e-3 at step 1, no CUDA context in the driver, each host's peak beside `gerl plan`'s. Add the
+fp16/bf16 gradient cosine on CUDA with `--dtype fp16 --steps 0 --no-stock` (and `--no-loss-scale` for the control).
 
 Estimated runtime on one H100 (an estimate reasoned from FLOPs, not a measurement): an SD3.5-M forward at 512 px
 with 333 text tokens is ≈ 2.45 TFLOP per image, so a step is 64 × 10 rollout forwards (1.6 PFLOP) + 64 × 3 trained
@@ -369,8 +376,43 @@ def memory_report(ctx) -> dict:
     weights["lora_in_transformer"] = sum(p.numel() * p.element_size() for p in ctx.actor.params) / 2**30
     weights["optimizer_state"] = optimizer_state_gib(ctx.actor.optimizer)
     return {"weights_gib": weights, "stage_peak_gib": dict(ctx.peaks.peaks),
+            "stage_transient_gib": dict(ctx.peaks.transient), "planned_transient_gib": planned_transients(ctx),
             "run_peak_gib": ctx.peaks.overall if ctx.peaks.cuda else peak_memory_gib(ctx.device),
             "peak_kind": "cuda max_memory_allocated" if ctx.peaks.cuda else "process peak RSS (CPU)"}
+
+
+# bench stage → `gerl plan`'s phase (its transient: peak − allocated on entry, at the same micro-batch)
+PLAN_PHASES = {"encode": "text encoders", "rollout": "denoising forward", "decode": "VAE decode",
+               "train": "training fwd+bwd, gradient checkpointing off"}
+
+
+def planned_transients(ctx) -> dict:
+    """`gerl plan`'s prediction of each stage's transient memory for this run's SD3.5-M settings (on CUDA, whole
+    model only; {} otherwise), to print beside the measured one. The VAE decode is compared only when the VAE is
+    fp32, as gerl's loader keeps it and the plan assumes."""
+    a = ctx.args
+    if not ctx.peaks.cuda or a.tiny or a.layers is not None:
+        return {}
+    from gerl.config import load_config
+    from gerl.plan import plan_for_config
+
+    micro = ctx.sampling.micro_batch_size
+    cfg = load_config(None, [
+        "model.path=stabilityai/stable-diffusion-3.5-medium", f"model.dtype={a.dtype}", f"model.resolution={a.resolution}",
+        f"model.max_sequence_length={a.t5_tokens}", f"model.lora_rank={a.lora_rank}", f"model.lora_alpha={2 * a.lora_rank}",
+        f"sampling.micro_batch_size={micro}", f"train.micro_batch_size={ctx.train.micro_batch_size}",
+        f"data.prompts_per_step={a.prompts}", f"data.group_size={a.group_size}",
+        f"train.mini_batch_size={ctx.train.mini_batch_size}"])
+    phases = {p.name.split(" (")[0]: p.gib for p in plan_for_config(cfg).role("hybrid").phases}
+    out = {}
+    for stage, phase in PLAN_PHASES.items():
+        name = next((n for n in phases if n.startswith(phase)), None)
+        if name is None or (stage == "decode" and ctx.pipe.vae.dtype != torch.float32):
+            continue
+        if stage == "encode" and not ctx.pipe.encoders:
+            continue
+        out[stage] = phases[name]
+    return out
 
 
 def grad_check_line(g: dict, emulated: bool) -> str:
@@ -444,6 +486,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, str | None]:
     ap.add_argument("--advantage-scale", type=float, default=1.0,
                     help="multiplies the ratio check's random advantages: the loss averages over the mini-batch and "
                          "the trained steps, so 1/96 gives each image the per-element gradient of GeRL's 32 × 3")
+    ap.add_argument("--launchers", nargs="*", default=None, metavar="NAME",
+                    help="run GPU launchers instead (default all five: 1p_with_reward 3p_a1_r2 3p_a2_r1 3p_hybrid "
+                         "8p_hybrid_with_reward) for 2 steps on this one GPU, on ocr-mini; rehearsed with --device cpu "
+                         "(scripts/bench_gpu_launchers.py)")
     ap.add_argument("--out", type=Path, default=None, help="write the summary as JSON to this file")
     args = ap.parse_args(argv)
     args.prompts = args.prompts or (2 if args.tiny else 8)
@@ -474,6 +520,8 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_gpu: no CUDA device; run with --tiny (or --device cpu --layers N) on a CPU machine",
               file=sys.stderr)
         return 2
+    if args.launchers is not None:
+        return launchers(args, device)
     if args.with_reward != "none" and importlib.util.find_spec("rapidocr") is None:
         print(f"bench_gpu: --with-reward {args.with_reward} needs the OCR reward's rapidocr, which is not installed; "
               "install it with `bash scripts/setup.sh --wheelhouse DIR` (or run with --with-reward none)",
@@ -495,6 +543,34 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps(summary, indent=1) + "\n")
         print(f"wrote {args.out}")
     return 0
+
+
+def launchers(args, device: torch.device) -> int:
+    """--launchers: each named launcher for 2 steps on this GPU (or rehearsed on CPU); exit 1 if any check fails."""
+    import importlib.util as iu
+    import tempfile
+
+    spec = iu.spec_from_file_location("bench_gpu_launchers", REPO / "scripts" / "bench_gpu_launchers.py")
+    bl = iu.module_from_spec(spec)
+    spec.loader.exec_module(bl)
+
+    names = args.launchers or list(bl.LAUNCHERS)
+    unknown = [n for n in names if n not in bl.LAUNCHERS]
+    if unknown:
+        print(f"bench_gpu: unknown launcher {unknown[0]!r}; choose from {', '.join(bl.LAUNCHERS)}", file=sys.stderr)
+        return 2
+    cuda = device.type == "cuda"
+    where = (f"on {torch.cuda.get_device_name(device)}, shares of one GPU" if cuda
+             else "rehearsed on CPU (engine.rehearse=true)")
+    print(f"launchers {', '.join(names)}: 2 steps each on ocr-mini at 64 px, {where}")
+    with tempfile.TemporaryDirectory(prefix="bench_launchers_") as tmp:
+        rows = bl.run_all(names, Path(tmp), cuda)
+    summary = {"launchers": rows, "device": torch.cuda.get_device_name(device) if cuda else "cpu"}
+    print("BENCH_JSON " + json.dumps(summary))
+    if args.out is not None:
+        args.out.write_text(json.dumps(summary, indent=1) + "\n")
+        print(f"wrote {args.out}")
+    return 0 if all(r.get("ok") for r in rows) else 1
 
 
 def run(args, device: torch.device) -> dict:

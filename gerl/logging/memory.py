@@ -26,7 +26,8 @@ class StagePeaks:
     """Peak allocated CUDA memory of each named stage (the max over all its occurrences) and of the whole run.
 
     Each `stage(name)` resets the allocator's peak on entry (to what is allocated then: the resident weights and
-    whatever the step holds) and reads it on exit, so a stage's peak includes everything resident while it ran.
+    whatever the step holds) and reads it on exit, so a stage's peak includes everything resident while it ran;
+    its transient is that peak minus what was allocated on entry (what `gerl plan` predicts per phase).
     The run's peak is the largest reading, and the peak before the first stage. On a CPU device every peak is None.
     """
 
@@ -34,18 +35,22 @@ class StagePeaks:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.peaks: dict[str, float | None] = {}  # stage → GiB, in the order the stages first ran
+        self.transient: dict[str, float | None] = {}  # stage → the largest (peak − allocated on entry), GiB
         self.overall = torch.cuda.max_memory_allocated(self.device) / GIB if self.cuda else None
 
     @contextmanager
     def stage(self, name: str):
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
+            entry = torch.cuda.memory_allocated(self.device) / GIB
         try:
             yield
         finally:
             if self.cuda:
                 peak = torch.cuda.max_memory_allocated(self.device) / GIB
                 self.peaks[name] = max(self.peaks.get(name) or 0.0, peak)
+                self.transient[name] = max(self.transient.get(name) or 0.0, peak - entry)
                 self.overall = max(self.overall, peak)
             else:
                 self.peaks.setdefault(name, None)
+                self.transient.setdefault(name, None)

@@ -201,3 +201,17 @@ def test_fp16_gemm_emulation_matches_real_fp16_ops():
         with mode:
             assert not input_grad(1.0).any()  # the gradient reaching the fp16 output is 0 in fp16
             assert input_grad(2.0**16).all()  # × the loss scale it survives
+
+
+def test_launchers_mode_runs_a_launcher_and_reports_its_checks(tmp_path, capsys):
+    """--launchers on a CPU machine: the GPU-day launcher check, rehearsed (one launcher, to keep it short; the
+    rehearsal of all five is tests/engine/test_rehearsal.py)."""
+    out = tmp_path / "launchers.json"
+    assert bench.main(["--launchers", "1p_with_reward", "--device", "cpu", "--out", str(out)]) == 0
+    row = json.loads(out.read_text())["launchers"][0]
+    assert row["exit"] == 0 and row["ok"] and row["hosts"] == 1
+    assert row["grad_norm"] > 0 and row["ratio_dev"] <= 1e-3 and row["loss_scale"] == 2.0**24
+    assert not row["driver_cuda"] and "engine.rehearse=true" in row["command"]
+    assert row["memory"]["hybrid"]["measured_gib"] > 0 and row["memory"]["hybrid"]["plan_gib"] is None  # CPU: no plan
+    assert "launcher 1p_with_reward" in capsys.readouterr().out
+    assert bench.main(["--launchers", "9p", "--device", "cpu"]) == 2
