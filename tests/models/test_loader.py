@@ -49,3 +49,23 @@ def test_lora_file_refuses_what_is_not_a_lora(lora_transformer, tmp_path):
     truncated.write_bytes((tmp_path / "ckpt" / LORA_WEIGHT_NAME).read_bytes()[:-100])
     with pytest.raises(UserError, match="not a readable safetensors file"):
         lora_file(truncated)
+
+
+def test_each_role_loads_only_what_it_uses_and_the_vae_stays_fp32(tiny_dir):
+    """The actor trains the transformer and reads nothing else (SD3.5-M's text encoders and VAE are 10.55 GiB in
+    fp16); the VAE decodes in fp32 whatever model.dtype says (in fp16 it overflows to NaN: black images)."""
+    import torch
+
+    from gerl.config import load_config
+    from gerl.engine.roles import build_pipeline
+
+    cfg = load_config(None, [f"model.path={tiny_dir}", "model.dtype=fp16"])
+    actor = build_pipeline(cfg, roles=("actor",))
+    assert actor.transformer is not None and actor.transformer.dtype == torch.float16
+    assert all(getattr(actor, name) is None for name in ("vae", "text_encoder", "text_encoder_2", "text_encoder_3",
+                                                          "tokenizer", "tokenizer_2", "tokenizer_3"))
+    assert {p.dtype for n, p in actor.transformer.named_parameters() if "lora_" in n} == {torch.float32}
+    rollout = build_pipeline(cfg, roles=("rollout",))
+    assert rollout.vae.dtype == torch.float32 and rollout.text_encoder_3.dtype == torch.float16
+    tiny = build_pipeline(load_config(None, ["model.dtype=bf16"]), roles=("actor",))  # the in-code tiny model
+    assert tiny.vae is None and tiny.text_encoder is None and tiny.transformer.dtype == torch.bfloat16
