@@ -7,6 +7,7 @@ submitted right where the images are decoded. ActorRole = ActorWorker (the updat
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import threading
@@ -33,6 +34,17 @@ def pin_cpus(cores: list[int] | None) -> None:
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, set(cores))
     torch.set_num_threads(len(cores))
+
+
+def compute_context(cfg: Config):
+    """Where the roles compute: a rehearsal of fp16 on the CPU runs its fp16 matrix products as a GPU does — fp32
+    accumulation, one rounding to fp16 per output (gerl/numerics.py) — which is also 2–4× faster on ocr-mini than
+    the CPU's own fp16 GEMMs (no avx512_fp16 here); everything else stays real fp16. Elsewhere: nothing."""
+    if cfg.engine.rehearse and cfg.model.dtype == "fp16":
+        from gerl.numerics import Fp16GemmEmulation
+
+        return Fp16GemmEmulation()
+    return contextlib.nullcontext()
 
 
 def build_pipeline(cfg: Config, device: str | None = None, roles: tuple[str, ...] = ("actor", "rollout")):
@@ -98,8 +110,9 @@ class RolloutRole:
         from different threads, so the next group generates while this one is scored)."""
         t0 = time.time()
         submit = self.rewards.submit if self.cfg.reward.with_reward else None
-        batch = self.worker.generate(prompts, metadata, group_ids, step, submit=submit, index_offset=index_offset,
-                                     between=self._load_staged)
+        with compute_context(self.cfg):
+            batch = self.worker.generate(prompts, metadata, group_ids, step, submit=submit, index_offset=index_offset,
+                                         between=self._load_staged)
         with self._lock:
             batch.timings["weight_load_s"], self._load_s = self._load_s, 0.0
             key = next(self._keys)
@@ -124,8 +137,9 @@ class RolloutRole:
 
     def validate(self, prompts, metadata) -> tuple[list, RewardResult]:
         cfg = self.cfg
-        images = self.worker.sample_images(prompts, cfg.validation.seed, cfg.sampling.eval_num_steps,
-                                           cfg.sampling.eval_guidance_scale)
+        with compute_context(cfg):
+            images = self.worker.sample_images(prompts, cfg.validation.seed, cfg.sampling.eval_num_steps,
+                                               cfg.sampling.eval_guidance_scale)
         return images, self.rewards.score_now(images, prompts, metadata, cfg.sampling.micro_batch_size)
 
     @torch.no_grad()
@@ -209,7 +223,8 @@ class ActorRole:
         return self.worker.version
 
     def update(self, batch, advantages, step: int) -> dict:
-        m = self.worker.update(batch, advantages, step)
+        with compute_context(self.cfg):
+            m = self.worker.update(batch, advantages, step)
         self._remember()
         return m
 

@@ -204,14 +204,16 @@ def test_fp16_gemm_emulation_matches_real_fp16_ops():
 
 
 def test_launchers_mode_runs_a_launcher_and_reports_its_checks(tmp_path, capsys):
-    """--launchers on a CPU machine: the GPU-day launcher check, rehearsed (one launcher, to keep it short; the
-    rehearsal of all five is tests/engine/test_rehearsal.py)."""
+    """--launchers on a CPU machine: the GPU-day launcher check, rehearsed, as a user runs it (bash, its own Ray
+    declaring the 3 GPUs), one launcher to keep it short (tests/engine/test_rehearsal.py rehearses all five)."""
     out = tmp_path / "launchers.json"
-    assert bench.main(["--launchers", "1p_with_reward", "--device", "cpu", "--out", str(out)]) == 0
+    assert bench.main(["--launchers", "3p_a1_r2", "--device", "cpu", "--out", str(out)]) == 0
     row = json.loads(out.read_text())["launchers"][0]
-    assert row["exit"] == 0 and row["ok"] and row["hosts"] == 1
+    assert row["exit"] == 0 and row["ok"] and row["hosts"] == 3
     assert row["grad_norm"] > 0 and row["ratio_dev"] <= 1e-3 and row["loss_scale"] == 2.0**24
     assert not row["driver_cuda"] and "engine.rehearse=true" in row["command"]
-    assert row["memory"]["hybrid"]["measured_gib"] > 0 and row["memory"]["hybrid"]["plan_gib"] is None  # CPU: no plan
-    assert "launcher 1p_with_reward" in capsys.readouterr().out
+    mem = row["memory"]
+    assert mem["actor"]["measured_gib"] > 0 and mem["rollout"]["measured_gib"] > 0
+    assert mem["actor"]["plan_gib"] is None  # a rehearsal is no GPU run: no plan
+    assert "launcher 3p_a1_r2" in capsys.readouterr().out
     assert bench.main(["--launchers", "9p", "--device", "cpu"]) == 2

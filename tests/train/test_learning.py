@@ -5,7 +5,8 @@ Both runs share every seed, so the only difference is the sign of the policy gra
 the measured curves (docs/benchmarks.md, "The quickstart now"): at step 20 of the recipe the held-out validation
 (16 numbers × 8 images) had risen by +0.10 to +0.16 on four runs (three training seeds), and the flipped run had
 fallen from 0.49 to 0.05. The training reward is no test of learning here: it moves little in 24 steps (0.729 →
-0.728 over the first and last 8 steps of seed 0) while the held-out numbers improve.
+0.728 over the first and last 8 steps of seed 0) while the held-out numbers improve. Measured with this test's 20
+steps: held-out 0.488 → 0.605 learning, → 0.031 flipped; training reward of the last 8 steps 0.711 vs 0.112.
 """
 
 import json
@@ -18,7 +19,7 @@ from gerl.config import load_config
 from gerl.trainer import train
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = 24
+STEPS = 20
 
 
 def _overrides(run_dir, *extra) -> list[str]:
@@ -45,11 +46,11 @@ def test_held_out_ocr_reward_rises_and_flipped_advantage_lowers_it(tmp_path):
     flip_proc = subprocess.Popen(
         [sys.executable, "-c", "import torch, sys; torch.set_num_threads(1); from gerl.cli import main; "
          "sys.exit(main(sys.argv[1:]))", "train", str(REPO / "recipes" / "ocr_mini.yaml"),
-         *_overrides(flip_dir, "validation.every=0", "train.flip_advantage=true")],  # validates at step 24
+         *_overrides(flip_dir, "validation.every=0", "train.flip_advantage=true")],  # validates at the last step
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     try:
         train(load_config(str(REPO / "recipes" / "ocr_mini.yaml"),
-                          _overrides(tmp_path / "learn", f"validation.every={STEPS}")))  # validates at 0 and 24
+                          _overrides(tmp_path / "learn", f"validation.every={STEPS}")))  # validates at 0 and the last step
         _, err = flip_proc.communicate(timeout=900)
     finally:
         flip_proc.kill()
