@@ -68,6 +68,8 @@ def save_checkpoint(run_dir: Path, step: int, actor, extra_state: dict, keep_las
     if actor.ema is not None:
         save_file({n: s.float().cpu().contiguous() for (n, _), s in zip(actor.named_params, actor.ema.shadow)},
                   str(tmp / "ema.safetensors"))
+    if actor.anchor is not None:  # nft/awm: the old policy, part of the exact state
+        save_file(actor.anchor_state(), str(tmp / "anchor.safetensors"))
     save_file({"torch_cpu": torch.get_rng_state()}, str(tmp / "rng.safetensors"))
     if inflight:
         save_file(inflight, str(tmp / "inflight_weights.safetensors"))
@@ -78,6 +80,7 @@ def save_checkpoint(run_dir: Path, step: int, actor, extra_state: dict, keep_las
         "optimizer": opt_meta,
         "lr_scheduler": actor.lr_scheduler.state_dict(),
         "loss_scaler": actor.scaler.state_dict() if actor.scaler is not None else None,
+        "optimizer_steps": actor.optimizer_steps,
         "python_rng": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
         "numpy_rng": [np_state[0], np_state[1].tolist(), *np_state[2:]],
         **extra_state,
@@ -184,6 +187,12 @@ def load_checkpoint(path: Path, actor) -> dict:
             s.copy_(ema[n])
     if actor.scaler is not None and state.get("loss_scaler"):
         actor.scaler.load_state_dict(state["loss_scaler"])
+    actor.optimizer_steps = int(state.get("optimizer_steps", 0))
+    if actor.anchor is not None:
+        if not (path / "anchor.safetensors").is_file():
+            raise UserError(f"checkpoint {path} has no anchor.safetensors: it was not written by an algo.name=nft/awm "
+                            f"run; resume it with the algo it was trained with (see {Path(path).parent.parent / 'config.yaml'})")
+        actor.load_anchor_state(load_file(str(path / "anchor.safetensors")))
     actor.version = state["policy_version"]
     torch.set_rng_state(load_file(str(path / "rng.safetensors"))["torch_cpu"])
     py = state["python_rng"]

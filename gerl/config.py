@@ -66,6 +66,24 @@ class SamplingConfig:
 
 
 @dataclass
+class AlgoConfig:
+    """Which policy objective trains the model (gerl/algo/). flow_grpo replays the rollout's recorded SDE steps;
+    nft and awm need only the clean final latents and their rewards (the rollout then samples a plain ODE and records
+    nothing else), and re-noise them at `train_timesteps` noise levels of the sampling schedule."""
+    name: Literal["flow_grpo", "nft", "awm"] = "flow_grpo"  # flow_grpo: Flow-GRPO(-Fast), PPO-clipped ratio of SDE-step log-probs; nft: DiffusionNFT (NVlabs), implicit positive/negative flow matching weighted by the normalised advantage; awm: Advantage Weighted Matching, a PPO-clipped ratio of a flow-matching likelihood surrogate
+    train_timesteps: int = 0  # nft/awm: noise levels trained per sample (0 = int(sampling.num_steps × sampling.timestep_fraction)); grad accumulation counts each
+    timesteps: Literal["random", "stratified"] = "random"  # nft/awm: which schedule indices: `train_timesteps` distinct random ones per sample (NFT), or one per stratum of [1, num_steps × timestep_fraction], the same for the whole batch (AWM's discrete_wo_init)
+    nft_beta: float = 1.0  # nft: β of v+ = β·v + (1−β)·v_old and v− = (1+β)·v_old − β·v (NVlabs 1.0; 0.1 in its SD3 OCR config); the loss divides by β
+    awm_weighting: Literal["uniform", "t", "t2", "huber", "ghuber"] = "uniform"  # awm: log p ≈ −w(σ, ‖v − (ε − x0)‖²): uniform = −err; t = −σ·err; t2 = −σ²·err; huber = −σ·(√err − 1e-5); ghuber = −σ·(err^p − 0^p)/p
+    awm_ghuber_power: float = 0.25  # awm, weighting ghuber: p
+    awm_advantage_max: float = 0.0  # awm: advantages × awm_advantage_max / train.adv_clip_max after clipping (0 = unscaled; AWM's configs use 1)
+    anchor_beta: float = 0.0  # nft/awm: weight of ‖v − v_anchor‖² in the loss (AWM's ema_beta; the anchor is the slow copy below)
+    anchor_decay_flat: int = 0  # the anchor ("old" policy) θ_old ← d·θ_old + (1 − d)·θ after each update, d = min(max(0, s − flat)·rate, max) at s optimizer steps. nft samples with θ_old and regresses against it
+    anchor_decay_rate: float = 0.0  # per optimizer step (NVlabs SD3 OCR: flat 75, rate 0.0075, max 0.999; AWM: 0, 0.001, 0.3)
+    anchor_decay_max: float = 0.0  # the cap of d (0 with rate 0: the anchor is the current policy after every update)
+
+
+@dataclass
 class TrainConfig:
     learning_rate: float = 1e-4  # AdamW peak learning rate
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW betas
@@ -264,6 +282,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
@@ -506,6 +525,14 @@ RANGES: dict[str, Range] = {
     "sampling.sde_window_range": _ge(0),
     "sampling.timestep_fraction": Range(0, 1, lo_open=True),
     "sampling.micro_batch_size": _ge(1),
+    "algo.train_timesteps": _ge(0, "0 = sampling.num_steps × sampling.timestep_fraction"),
+    "algo.nft_beta": _gt(0, "the NFT loss divides by β"),
+    "algo.awm_ghuber_power": _gt(0),
+    "algo.awm_advantage_max": _ge(0, "0 = unscaled"),
+    "algo.anchor_beta": _ge(0),
+    "algo.anchor_decay_flat": _ge(0),
+    "algo.anchor_decay_rate": _ge(0),
+    "algo.anchor_decay_max": Range(0, 1, hi_open=True, why="the anchor must keep moving"),
     "train.learning_rate": _gt(0),
     "train.adam_betas": Range(0, 1, hi_open=True),
     "train.weight_decay": _ge(0),
@@ -649,6 +676,19 @@ def _relations(cfg: Config) -> list[str]:
             if not (0 <= lo and hi - lo >= s.sde_window_size and hi <= s.num_steps - 1):
                 e.append(f"sampling.sde_window_range={s.sde_window_range} must satisfy 0 ≤ lo, hi − lo ≥ "
                          f"sde_window_size ({s.sde_window_size}) and hi ≤ num_steps − 1 ({s.num_steps - 1}, the final step is deterministic)")
+    a = cfg.algo
+    if a.name != "flow_grpo":
+        n = trained_steps_per_sample(cfg)
+        top = int(s.num_steps * s.timestep_fraction)
+        if a.timesteps == "random" and n > s.num_steps:
+            e.append(f"algo.train_timesteps={n} exceeds sampling.num_steps ({s.num_steps}): {a.name} trains distinct "
+                     "noise levels of the sampling schedule")
+        if a.timesteps == "stratified" and n > top - 1:
+            e.append(f"algo.train_timesteps={n} needs ≥ that many schedule indices in [1, num_steps × timestep_fraction) "
+                     f"(here {max(0, top - 1)}); lower it or raise sampling.num_steps")
+        if t.loss != "ppo_clip" or t.recompute_old_log_probs or cfg.engine.ratio_cap:
+            e.append(f"algo.name={a.name} has its own objective: train.loss, train.recompute_old_log_probs and "
+                     "engine.ratio_cap belong to flow_grpo; leave them at their defaults")
     from gerl.algo.policy_loss import POLICY_LOSSES
 
     if t.loss not in POLICY_LOSSES:
@@ -704,7 +744,10 @@ def derived_sizes(cfg: Config, trained_steps: int) -> dict[str, int]:
 
 
 def trained_steps_per_sample(cfg: Config) -> int:
+    """Denoising steps (flow_grpo) or noise levels (nft/awm) each sample trains per update."""
     s = cfg.sampling
+    if cfg.algo.name != "flow_grpo":
+        return cfg.algo.train_timesteps or max(1, int(s.num_steps * s.timestep_fraction))
     recorded = s.sde_window_size if s.sde_window_size > 0 else s.num_steps - 1
     return max(1, int(recorded * s.timestep_fraction + 0.5)) if s.timestep_fraction < 1 else recorded
 

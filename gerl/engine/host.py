@@ -127,7 +127,12 @@ class Host:
     # rollout role
     @_cpu_only("generate")
     def generate(self, prompts, metadata, group_ids, step, offset):
-        batch, res = self.rollout.generate(prompts, metadata, group_ids, step, offset)
+        import contextlib
+
+        # a hybrid host's rollout shares the actor's transformer: generate with the sampling weights (nft's anchor)
+        policy = self.actor.worker.sampling_policy() if self.actor is not None else contextlib.nullcontext()
+        with policy:
+            batch, res = self.rollout.generate(prompts, metadata, group_ids, step, offset)
         batch.timings["rollout_peak_mem_gib"] = self._peak()
         return batch, res
 
@@ -183,10 +188,10 @@ class Host:
         return m
 
     @_cpu_only("actor_weights")
-    def actor_weights(self, ema: bool = False):
-        if ema and self.actor.worker.ema is not None:
-            return {n: s.float().cpu() for (n, _), s in zip(self.actor.worker.named_params, self.actor.worker.ema.shadow)}
-        return self.actor.weights()
+    def actor_weights(self, validation: bool = False):
+        """What rollouts generate with; with validation=True what validation scores instead (the EMA, or nft's
+        trained tensors), None when that is the same."""
+        return self.actor.validation_weights() if validation else self.actor.weights()
 
     def send_broadcast(self, bucket_mb) -> float:
         t0 = time.perf_counter()

@@ -23,8 +23,10 @@ class LocalEngine:
         self.restarts = 0
 
     def submit(self, step, prompts, metadata, group_ids):
-        """Generates now (reward futures overlap generation inside); the 'handle' is the finished shard."""
-        return self.rollout.generate(prompts, metadata, group_ids, step)
+        """Generates now (reward futures overlap generation inside); the 'handle' is the finished shard. The shared
+        transformer holds the sampling weights meanwhile (nft's anchor; the trained ones otherwise)."""
+        with self.actor.worker.sampling_policy():
+            return self.rollout.generate(prompts, metadata, group_ids, step)
 
     def collect(self, handle):
         batch, res = handle

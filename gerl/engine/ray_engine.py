@@ -267,8 +267,9 @@ class RayEngine:
         return time.perf_counter() - t0
 
     def validate(self, prompts, metadata):
-        ema = self.actors[0].actor_weights.remote(ema=True) if self.cfg.train.ema_decay > 0 else None
-        return self.ray.get(self.rollouts[0].validate.remote(prompts, metadata, ema))
+        # the rollouts hold the sampling weights; validation may score others (the EMA, or nft's trained tensors)
+        weights = self.ray.get(self.actors[0].actor_weights.remote(validation=True))
+        return self.ray.get(self.rollouts[0].validate.remote(prompts, metadata, weights))
 
     def weights_equal(self) -> bool:
         """Test hook: every rollout's trained tensors equal the actor's exactly (waits for pending syncs)."""

@@ -80,7 +80,9 @@ class RolloutRole:
         self.cfg, self.rank = cfg, rank
         self.pipe = pipe if pipe is not None else build_pipeline(cfg, device, roles=("rollout",))
         self.embedder = TextEmbedder(self.pipe, cfg.model.max_sequence_length, cfg.model.text_cache_size)
-        self.worker = RolloutWorker(self.pipe, self.embedder, cfg.sampling, cfg.model.resolution, cfg.seed)
+        # nft/awm learn from clean samples alone: the rollout samples a plain ODE and records no SDE step
+        self.worker = RolloutWorker(self.pipe, self.embedder, cfg.sampling, cfg.model.resolution, cfg.seed,
+                                    record_sde=cfg.algo.name == "flow_grpo")
         comps = reward_components(cfg.reward)
         fns = reward_fns if reward_fns is not None else [build_reward(c.name, c.kwargs) for c in comps]
         r = cfg.reward
@@ -204,7 +206,7 @@ class ActorRole:
         sizes = derived_sizes(cfg, trained_steps_per_sample(cfg))
         self.worker = ActorWorker(self.pipe.transformer, cfg.train, cfg.model, cfg.sampling, cfg.max_steps,
                                   sizes["images_per_step"], cfg.seed, world=world, grad_sync=grad_sync,
-                                  ratio_cap=cfg.engine.ratio_cap, conventions=cfg.conventions)
+                                  ratio_cap=cfg.engine.ratio_cap, conventions=cfg.conventions, algo=cfg.algo)
         # async: the weights of the last max_staleness versions, which generations still in flight were issued
         # with — a checkpoint keeps them so that a resumed run re-issues those generations bit-exactly.
         self.history = deque(maxlen=cfg.engine.max_staleness + 1) if cfg.engine.schedule == "async" else None
@@ -233,7 +235,15 @@ class ActorRole:
         return {v: w for v, w in (self.history or []) if v < self.version}
 
     def weights(self) -> dict[str, torch.Tensor]:
-        return self.worker.trainable_state()
+        """What rollouts generate with: the trained tensors, or nft's anchor (its old policy)."""
+        return self.worker.sampling_state()
+
+    def validation_weights(self) -> dict[str, torch.Tensor] | None:
+        """What validation scores when it differs from what rollouts hold: the EMA, or nft's trained tensors."""
+        w = self.worker
+        if w.ema is not None:
+            return {n: s.float().cpu() for (n, _), s in zip(w.named_params, w.ema.shadow)}
+        return w.trainable_state() if w.samples_with_anchor else None
 
     def save(self, run_dir, step: int, extra_state: dict, keep_last: int) -> None:
         if self.rank == 0:

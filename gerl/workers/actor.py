@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from contextlib import contextmanager
@@ -9,7 +10,8 @@ from contextlib import contextmanager
 import torch
 
 from gerl.algo.loss import grpo_loss
-from gerl.config import ConventionsConfig, ModelConfig, SamplingConfig, TrainConfig
+from gerl.algo.matching import anchor_decay
+from gerl.config import AlgoConfig, ConventionsConfig, ModelConfig, SamplingConfig, TrainConfig
 from gerl.sampling.loop import replay_log_prob
 from gerl.sampling.steps import log_prob_as
 from gerl.workers.batch import RolloutBatch
@@ -66,9 +68,10 @@ def lr_lambda(schedule: str, warmup: int, total: int):
 class ActorWorker:
     def __init__(self, transformer, train: TrainConfig, model: ModelConfig, sampling: SamplingConfig,
                  max_steps: int, images_per_step: int, seed: int, world: int = 1, grad_sync=None,
-                 ratio_cap: float = 0.0, conventions: ConventionsConfig | None = None):
+                 ratio_cap: float = 0.0, conventions: ConventionsConfig | None = None, algo: AlgoConfig | None = None):
         self.transformer, self.cfg, self.sampling, self.seed = transformer, train, sampling, seed
         self.conventions = conventions or ConventionsConfig()
+        self.algo = algo or AlgoConfig()
         # The rollout records Gaussian log-probs; the loss sees them in the configured convention (an exact map).
         self.log_prob_convention = (self.conventions.cps_log_prob if sampling.sampler == "cps"
                                     else self.conventions.sde_log_prob)
@@ -97,6 +100,80 @@ class ActorWorker:
         if train.beta > 0 and not model.lora:
             self.ref = copy.deepcopy(transformer).requires_grad_(False).eval()
         self.version = 0  # training steps (update calls) completed: the policy version handed to rollouts
+        self.optimizer_steps = 0  # optimizer steps taken (the anchor's decay schedule counts these)
+        # nft/awm: noise levels trained per sample
+        self.train_timesteps = (self.algo.train_timesteps or max(1, int(sampling.num_steps * sampling.timestep_fraction)))
+        # nft/awm: the anchor ("old" policy), a slow copy of the trained tensors (gerl/algo/matching.py anchor_decay)
+        self.anchor = [p.detach().clone() for p in self.params] if self.algo.name != "flow_grpo" else None
+
+    @contextmanager
+    def anchor_swapped(self):
+        """The trained tensors temporarily replaced by the anchor's (nft's v_old, awm's anchor term, nft sampling);
+        nothing when there is no anchor."""
+        if self.anchor is None:
+            yield
+            return
+        backup = [p.detach().clone() for p in self.params]
+        with torch.no_grad():
+            for p, a in zip(self.params, self.anchor):
+                p.copy_(a)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, b in zip(self.params, backup):
+                    p.copy_(b)
+
+    @torch.no_grad()
+    def _advance_anchor(self) -> float:
+        a = self.algo
+        d = anchor_decay(self.optimizer_steps, a.anchor_decay_flat, a.anchor_decay_rate, a.anchor_decay_max)
+        for t, p in zip(self.anchor, self.params):
+            t.mul_(d).add_(p.detach(), alpha=1 - d)
+        return d
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """loss.backward(), through the loss scaler when the model computes in fp16."""
+        (self.scaler.scale_loss(loss) if self.scaler is not None else loss).backward()
+
+    def optimizer_step(self, loss_ok: bool) -> tuple[float | None, str | None]:
+        """After a mini-batch's backward passes: unscale (fp16), all-reduce over the data-parallel ranks, clip, step.
+        Unscaling comes before the all-reduce and the clip; every rank then agrees whether to step. Returns (the
+        gradient norm, None) for a step taken, or (None, "overflow" | "nonfinite") for one skipped."""
+        grads_ok = self.scaler.unscale_(self.params) if self.scaler is not None else True
+        if self.grad_sync is not None:
+            loss_ok, grads_ok = self.grad_sync(self.params, loss_ok, grads_ok)
+        if self.scaler is not None:
+            self.scaler.update(overflow=not grads_ok)
+        if self.cfg.max_grad_norm > 0:
+            gn = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)
+        else:
+            gn = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in self.params if p.grad is not None]))
+        if not loss_ok or not grads_ok or not torch.isfinite(gn):
+            # A non-finite loss or gradient: drop this optimizer step rather than poison the weights
+            # (under fp16 loss scaling an overflow is expected now and then: the scale halves).
+            self.optimizer.zero_grad(set_to_none=True)
+            return None, "overflow" if loss_ok and not grads_ok and self.scaler is not None else "nonfinite"
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        if self.ema is not None:
+            self.ema.update()
+        self.optimizer_steps += 1
+        return float(gn), None
+
+    def step_metrics(self, metrics: dict, grad_norms: list[float], skipped: dict[str, int], T: int) -> dict:
+        """The metrics every update reports, whatever the algorithm."""
+        metrics.update({
+            "grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
+            "nonfinite_updates_skipped": skipped.get("nonfinite", 0),
+            "optimizer_steps": len(grad_norms),
+            "learning_rate": self.optimizer.param_groups[0]["lr"],
+            "trained_steps_per_sample": T,
+        })
+        if self.scaler is not None:
+            metrics.update(loss_scale=self.scaler.scale, overflow_updates_skipped=skipped.get("overflow", 0),
+                           overflow_updates_total=self.scaler.overflows)
+        return metrics
 
     @contextmanager
     def _reference(self):
@@ -143,7 +220,21 @@ class ActorWorker:
         return out
 
     def update(self, batch: RolloutBatch, advantages: torch.Tensor, step: int) -> dict[str, float]:
-        """Inner epochs of clipped-ratio updates on `batch`. Returns step metrics (means over micro-batches)."""
+        """Inner epochs of optimizer steps on `batch` with the configured algorithm. Returns step metrics."""
+        if self.algo.name == "flow_grpo":
+            m = self._update_flow_grpo(batch, advantages, step)
+        else:
+            from gerl.workers.matching import matching_update
+
+            m = matching_update(self, batch, advantages, step)
+        if self.anchor is not None:
+            m["anchor_decay"] = self._advance_anchor()
+        self.version += 1
+        return m
+
+    def _update_flow_grpo(self, batch: RolloutBatch, advantages: torch.Tensor, step: int) -> dict[str, float]:
+        """Inner epochs of clipped-ratio updates on the recorded SDE steps. Returns step metrics (means over
+        micro-batches)."""
         cfg = self.cfg
         plan = self.train_steps_plan(batch, step)
         B, T = plan.shape
@@ -157,7 +248,7 @@ class ActorWorker:
         count = 0
         max_dev = 0.0
         stepped = False  # has any optimizer step been taken in this update? (for the pre-update ratio check)
-        skipped = overflowed = 0
+        skipped: dict[str, int] = {}
         grad_norms = []
         self.transformer.train()
         for epoch in range(cfg.inner_epochs):
@@ -187,57 +278,50 @@ class ActorWorker:
                         if not torch.isfinite(loss):
                             finite = False
                             continue
-                        loss = loss / (n_micro * T)
-                        (self.scaler.scale_loss(loss) if self.scaler is not None else loss).backward()
+                        self.backward(loss / (n_micro * T))
                         if not stepped:
                             ratio = torch.exp(lp.detach() - old_lp)
                             max_dev = max(max_dev, float((ratio - 1).abs().max()))
                         for key, v in stats.items():
                             sums[key] = sums.get(key, 0.0) + float(v)
                         count += 1
-                # Unscale before the all-reduce and the clip; every rank then agrees on whether to step.
-                grads_ok = self.scaler.unscale_(self.params) if self.scaler is not None else True
-                if self.grad_sync is not None:
-                    finite, grads_ok = self.grad_sync(self.params, finite, grads_ok)
-                if self.scaler is not None:
-                    self.scaler.update(overflow=not grads_ok)
-                if cfg.max_grad_norm > 0:
-                    gn = torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm)
-                else:
-                    gn = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in self.params if p.grad is not None]))
-                if not finite or not grads_ok or not torch.isfinite(gn):
-                    # A non-finite loss or gradient: drop this optimizer step rather than poison the weights
-                    # (under fp16 loss scaling an overflow is expected now and then: the scale halves).
-                    self.optimizer.zero_grad(set_to_none=True)
-                    if finite and not grads_ok and self.scaler is not None:
-                        overflowed += 1
-                    else:
-                        skipped += 1
+                gn, why = self.optimizer_step(finite)
+                if gn is None:
+                    skipped[why] = skipped.get(why, 0) + 1
                     continue
-                grad_norms.append(float(gn))
-                self.optimizer.step()
-                self.lr_scheduler.step()
-                if self.ema is not None:
-                    self.ema.update()
+                grad_norms.append(gn)
                 stepped = True
-        self.version += 1
         metrics.update({k: v / max(count, 1) for k, v in sums.items()})
-        metrics.update({
-            "ratio_max_dev_before_update": max_dev,
-            "grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
-            "nonfinite_updates_skipped": skipped,
-            "optimizer_steps": len(grad_norms),
-            "learning_rate": self.optimizer.param_groups[0]["lr"],
-            "trained_steps_per_sample": T,
-        })
-        if self.scaler is not None:
-            metrics.update(loss_scale=self.scaler.scale, overflow_updates_skipped=overflowed,
-                           overflow_updates_total=self.scaler.overflows)
-        return metrics
+        metrics["ratio_max_dev_before_update"] = max_dev
+        return self.step_metrics(metrics, grad_norms, skipped, T)
 
     # ------------------------------------------------------------------ checkpoint state
     def trainable_state(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().float().cpu().contiguous() for n, p in self.named_params}
+
+    @property
+    def samples_with_anchor(self) -> bool:
+        """nft samples with the old policy (its anchor), as DiffusionNFT does; every other algorithm with θ."""
+        return self.algo.name == "nft"
+
+    def sampling_state(self) -> dict[str, torch.Tensor]:
+        """The tensors rollouts generate with (by name, fp32, CPU): the anchor for nft, else the trained ones."""
+        if not self.samples_with_anchor:
+            return self.trainable_state()
+        return {n: a.detach().float().cpu().contiguous() for (n, _), a in zip(self.named_params, self.anchor)}
+
+    def sampling_policy(self):
+        """Context for a rollout that shares this transformer (local engine, hybrid hosts): its weights are the
+        sampling ones inside (the anchor for nft)."""
+        return self.anchor_swapped() if self.samples_with_anchor else contextlib.nullcontext()
+
+    def anchor_state(self) -> dict[str, torch.Tensor]:
+        return {n: a.detach().float().cpu().contiguous() for (n, _), a in zip(self.named_params, self.anchor or [])}
+
+    def load_anchor_state(self, state: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for (n, _), a in zip(self.named_params, self.anchor):
+                a.copy_(state[n].to(a.dtype))
 
     def load_trainable_state(self, state: dict[str, torch.Tensor]) -> None:
         names = {n for n, _ in self.named_params}

@@ -58,8 +58,9 @@ def decode(vae, latents: torch.Tensor) -> list[Image.Image]:
 class RolloutWorker:
     """Generates trajectory batches with the current weights of `pipe.transformer`. One role: generation."""
 
-    def __init__(self, pipe, embedder, sampling: SamplingConfig, resolution: int, seed: int):
+    def __init__(self, pipe, embedder, sampling: SamplingConfig, resolution: int, seed: int, record_sde: bool = True):
         self.pipe, self.embedder, self.cfg = pipe, embedder, sampling
+        self.record_sde = record_sde  # False: ODE everywhere, only the clean final latents kept (nft, awm)
         self.seed = seed
         self.vae_factor = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
         self.latent_shape = (pipe.transformer.config.in_channels, resolution // self.vae_factor, resolution // self.vae_factor)
@@ -80,7 +81,8 @@ class RolloutWorker:
         the returned batch is on the CPU."""
         cfg, sched = self.cfg, self.train_schedule
         window_rng = torch.Generator().manual_seed(sample_seed(self.seed, step, -1))
-        sde_steps = sde_window(sched.num_steps, cfg.sde_window_size, tuple(cfg.sde_window_range), window_rng)
+        sde_steps = (sde_window(sched.num_steps, cfg.sde_window_size, tuple(cfg.sde_window_range), window_rng)
+                     if self.record_sde else [])
         guided = cfg.guidance_scale > 1.0
         trajs, images, futures, embeds_all, spans, versions = [], [], [], [], [], []
         t_gen = t_dec = 0.0

@@ -31,7 +31,7 @@ def test_a_non_cpu_tensor_anywhere_in_a_return_value_is_named():
 
 def test_host_methods_check_what_they_return():
     host = Host.__new__(Host)  # no Ray, no model: only the return-value checks are under test
-    host.device = "cpu"
+    host.device, host.actor = "cpu", None  # a rollout-only host
     host.rollout = SimpleNamespace(generate=lambda *a: (_batch("meta"), None), weights=lambda: {"w": torch.zeros(1)})
     with pytest.raises(RuntimeError, match=r"Host\.generate\(\)\[0\]\.traj\.log_probs is on meta"):
         host.generate(["a"], [{}], torch.tensor([0]), 1, 0)
