@@ -80,7 +80,7 @@ RUN_SETTINGS = [("model", "model.path"), ("tiny_seed", "model.tiny_seed"), ("res
                 ("max_sequence_length", "model.max_sequence_length"), ("num_steps", "sampling.eval_num_steps"),
                 ("guidance", "sampling.eval_guidance_scale")]
 # Range of each numeric flag: the config key whose RANGES entry applies, or a Range of its own.
-FLAG_RANGES = {"n": None, "batch_size": "sampling.micro_batch_size", "resolution": "model.resolution",
+FLAG_RANGES = {"n": None, "images_per_prompt": None, "batch_size": "sampling.micro_batch_size", "resolution": "model.resolution",
                "num_steps": "sampling.eval_num_steps", "guidance": "sampling.eval_guidance_scale",
                "max_sequence_length": "model.max_sequence_length", "seed": "seed", "num_prompts": None}
 
@@ -116,20 +116,33 @@ def _resolve_settings(args) -> None:
         except (OSError, yaml.YAMLError) as e:
             raise UserError(f"cannot read {run_cfg_path} ({str(e).splitlines()[0]}); fix it or pass --model, "
                             "--resolution, ... explicitly") from None
-    taken = []
+    taken, shipped_taken = [], []
     for dest, key in RUN_SETTINGS:
         if getattr(args, dest, None) is not None:
             continue
         value = get(run_cfg, key) if isinstance(run_cfg, dict) else None
         if value is not None:
             taken.append(f"{key}={value}")
-        setattr(args, dest, value if value is not None else get(Config(), key))
+        setattr(args, dest, value if value is not None else None)
+    # A shipped model's own settings (what its recipes train and validate with), so that `gerl eval --model ocr-mini`
+    # samples exactly as `gerl eval --lora <a run on it>` does; then the config tree's defaults.
+    from gerl.models.loader import shipped_settings
+
+    shipped = shipped_settings(args.model or get(run_cfg, "model.path") or "")
+    for dest, key in RUN_SETTINGS:
+        if getattr(args, dest) is None and dest in shipped:
+            setattr(args, dest, shipped[dest])
+            shipped_taken.append(f"{key}={shipped[dest]}")
+        elif getattr(args, dest) is None:
+            setattr(args, dest, get(Config(), key))
     if taken:
         print(f"gerl: from {run_cfg_path}: {', '.join(taken)} (flags override)", file=sys.stderr)
+    if shipped_taken:
+        print(f"gerl: the shipped model's settings: {', '.join(shipped_taken)} (flags override)", file=sys.stderr)
     for dest, key in FLAG_RANGES.items():
         if not hasattr(args, dest):
             continue
-        rng = RANGES[key] if key else Range(lo=1 if dest == "n" else 0)
+        rng = RANGES[key] if key else Range(lo=1 if dest in ("n", "images_per_prompt") else 0)
         value = getattr(args, dest)
         if not rng.ok(value):
             raise UserError(f"--{dest.replace('_', '-')} {value} must be {rng.text()}" + (f" ({rng.why})" if rng.why else ""))
@@ -229,13 +242,48 @@ def cmd_sample(args) -> int:
     return 0
 
 
+def mean_and_stderr(scores: list, per_prompt: int) -> dict:
+    """Mean of the valid scores and its standard error, counting each prompt as one observation (its images share the
+    prompt, so they are not independent): stderr = std(prompt means) / √(prompts). `scores` lists prompt i's images
+    at i·per_prompt … (i+1)·per_prompt − 1; None/NaN are left out (a prompt with none is dropped)."""
+    means = []
+    for i in range(0, len(scores), per_prompt):
+        ok = [s for s in scores[i:i + per_prompt] if s is not None and math.isfinite(s)]
+        if ok:
+            means.append(sum(ok) / len(ok))
+    if not means:
+        return {"mean": None, "stderr": None, "prompts_scored": 0}
+    m = sum(means) / len(means)
+    var = sum((x - m) ** 2 for x in means) / (len(means) - 1) if len(means) > 1 else float("nan")
+    return {"mean": m, "stderr": math.sqrt(var / len(means)) if len(means) > 1 else None, "prompts_scored": len(means)}
+
+
+def paired_gain(base: list, lora: list, per_prompt: int) -> dict:
+    """LoRA − base per prompt (the same prompts and noise), its mean and standard error over prompts."""
+    diffs = []
+    for i in range(0, len(base), per_prompt):
+        pairs = [(b, t) for b, t in zip(base[i:i + per_prompt], lora[i:i + per_prompt])
+                 if b is not None and t is not None and math.isfinite(b) and math.isfinite(t)]
+        if pairs:
+            diffs.append(sum(t - b for b, t in pairs) / len(pairs))
+    return mean_and_stderr(diffs, 1)
+
+
 def cmd_eval(args) -> int:
     from rewards.registry import build_reward, validate_reward_inputs
 
     from gerl.paths import check_writable
 
     _resolve_settings(args)
+    if args.with_base and not args.lora:
+        raise UserError("--with-base compares a LoRA with its base model: pass --lora CHECKPOINT too")
+    if args.lora:
+        from gerl.models.loader import lora_file
+
+        lora_file(args.lora)  # a bad path fails before the model loads
     texts, meta = _read_prompts(args)
+    k = args.images_per_prompt
+    prompts, metas = [t for t in texts for _ in range(k)], [m for m in meta for _ in range(k)]
     kwargs = _json_object(args.reward_kwargs, "--reward-kwargs")
     if args.out:
         if Path(args.out).is_dir():
@@ -243,17 +291,40 @@ def cmd_eval(args) -> int:
         check_writable(Path(args.out).parent, f"--out {args.out}")
     fn = build_reward(args.reward, kwargs)
     validate_reward_inputs(fn, texts, meta)
-    worker = _pipeline_for(args)
-    images = worker.sample_images(texts, args.seed, args.num_steps, args.guidance)
-    scores, _ = _call_reward(args.reward, fn, images, texts, meta)
-    valid = [s for s in scores if s is not None and math.isfinite(s)]
-    mean = sum(valid) / len(valid) if valid else None  # null, not 0, when nothing was scored
-    result = {"reward": args.reward, "lora": args.lora, "num_prompts": len(texts), "mean": mean, "scored": len(valid),
-              "scores": [{"prompt": t, "score": s} for t, s in zip(texts, scores)]}
+    sampler = (f"{args.num_steps} ODE steps, guidance {args.guidance:g}, {args.resolution} px, "
+               f"{args.max_sequence_length} T5 tokens, noise seed {args.seed}, {k} image(s) per prompt")
+    print(f"gerl: eval sampler: {sampler}" + (" — the same for the base and the LoRA" if args.with_base else ""),
+          file=sys.stderr)
+    lora, args.lora = args.lora, (None if args.with_base else args.lora)
+    worker = _pipeline_for(args)  # the base first when comparing, then its LoRA on the same pipeline
+
+    def score() -> list:
+        images = worker.sample_images(prompts, args.seed, args.num_steps, args.guidance)
+        return _call_reward(args.reward, fn, images, prompts, metas)[0]
+
+    result = {"reward": args.reward, "lora": lora, "num_prompts": len(texts), "images_per_prompt": k,
+              "sampler": {"num_steps": args.num_steps, "guidance": args.guidance, "resolution": args.resolution,
+                          "max_sequence_length": args.max_sequence_length, "seed": args.seed}}
+    base_scores = None
+    if args.with_base:
+        from gerl.models.loader import load_lora_into_pipeline
+
+        base_scores = score()
+        load_lora_into_pipeline(worker.pipe, lora)
+    scores = score()
+    stats = mean_and_stderr(scores, k)
+    result.update(mean=stats["mean"], stderr=stats["stderr"], scored=sum(s is not None and math.isfinite(s)
+                                                                           for s in scores))
+    if base_scores is not None:
+        result["base"] = mean_and_stderr(base_scores, k)
+        result["gain"] = paired_gain(base_scores, scores, k)
+    result["scores"] = [{"prompt": t, "score": s} for t, s in zip(prompts, scores)]
+    if base_scores is not None:
+        result["base_scores"] = [{"prompt": t, "score": s} for t, s in zip(prompts, base_scores)]
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(_json_safe(result), indent=1, allow_nan=False))
-    print(json.dumps(_json_safe({k: v for k, v in result.items() if k != "scores"}), allow_nan=False))
+    print(json.dumps(_json_safe({k_: v for k_, v in result.items() if not k_.endswith("scores")}), allow_nan=False))
     return 0
 
 
@@ -356,6 +427,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--reward", required=True, help="registered reward name or module:callable")
     e.add_argument("--reward-kwargs", default="", help="JSON object of reward factory arguments")
     e.add_argument("--out", default=None, help="write per-prompt scores as JSON here")
+    e.add_argument("--images-per-prompt", type=int, default=1,
+                   help="images per prompt, each with its own noise; the mean's standard error is over prompts")
+    e.add_argument("--with-base", action="store_true",
+                   help="also score the LoRA's base model with the same prompts, noise and sampler, and report the "
+                        "gain (LoRA − base) with its paired standard error")
     e.set_defaults(fn=cmd_eval)
     c = sub.add_parser("score", help="score image files with a reward (check a custom reward before training)")
     c.add_argument("reward", help="registered reward name, entry point, or module:callable")

@@ -35,6 +35,7 @@ class ModelConfig:
     lora_rank: int = 8  # LoRA rank r
     lora_alpha: float = 16.0  # LoRA alpha; the update is scaled by alpha / r
     lora_targets: list[str] = field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"])  # transformer module names to adapt
+    lora_init: Literal["default", "gaussian"] = "default"  # a fresh adapter's A: peft's default (Kaiming-uniform) or "gaussian" (N(0, 1/r): NFT's, AWM's and GeRL's); B starts at 0 either way, so the policy starts as the base
     init_lora: str = ""  # a directory or .safetensors of a LoRA to start from ("" = fresh adapter)
     text_cache_size: int = 4096  # prompts whose text embeddings are kept (LRU); text encoders never re-run for these
     tiny_seed: int = 0  # seed of the randomly initialised tiny model (model.path = tiny)
@@ -668,7 +669,7 @@ def _relations(cfg: Config) -> list[str]:
         e.append(f"train.micro_batch_size={t.micro_batch_size} must divide train.mini_batch_size ({mini})")
     if s.sampler == "cps" and s.noise_level > 1 or s.noise_level > 10:
         e.append(f"sampling.noise_level={s.noise_level} out of range (cps: (0, 1]; sde: (0, 10])")
-    if s.sde_window_size > 0:
+    if s.sde_window_size > 0 and cfg.algo.name == "flow_grpo":  # nft/awm rollouts have no SDE window
         if len(s.sde_window_range) != 2:
             e.append("sampling.sde_window_range must be [lo, hi]")
         else:

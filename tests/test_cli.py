@@ -112,6 +112,37 @@ def test_sample_and_eval_with_a_trained_lora(capsys, tmp_path):
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["num_prompts"] == 3 and summary["mean"] < 0
     assert len(json.loads((tmp_path / "eval.json").read_text())["scores"]) == 3
+    # the base and the LoRA on the same prompts, noise and sampler; the gain is paired per prompt
+    assert main(["eval", "--lora", str(ckpt), "--prompts", str(REPO / "assets/ocr/test.txt"), "--num-prompts", "3",
+                 "--num-steps", "4", "--images-per-prompt", "2", "--with-base", "--reward", "jpeg_compressibility",
+                 "--out", str(tmp_path / "cmp.json")]) == 0
+    out = capsys.readouterr()
+    assert "eval sampler: 4 ODE steps" in out.err and "the same for the base and the LoRA" in out.err
+    cmp = json.loads((tmp_path / "cmp.json").read_text())
+    assert cmp["images_per_prompt"] == 2 and len(cmp["scores"]) == len(cmp["base_scores"]) == 6
+    diffs = [t["score"] - b["score"] for t, b in zip(cmp["scores"], cmp["base_scores"])]
+    assert cmp["gain"]["mean"] == pytest.approx(sum(diffs) / 6, abs=1e-9)
+    assert cmp["gain"]["mean"] == pytest.approx(cmp["mean"] - cmp["base"]["mean"], abs=1e-9)
+    assert cmp["stderr"] > 0 and cmp["base"]["stderr"] > 0
+
+
+def test_mean_and_stderr_count_prompts_not_images():
+    from gerl.cli import mean_and_stderr, paired_gain
+
+    # prompt means 0.5 and 1.0 (a NaN image left out) → mean 0.75, stderr = std([0.5, 1.0]) / √2 = 0.25
+    r = mean_and_stderr([0.0, 1.0, 1.0, float("nan")], per_prompt=2)
+    assert r == {"mean": 0.75, "stderr": pytest.approx(0.25), "prompts_scored": 2}
+    assert mean_and_stderr([None, None], per_prompt=2)["mean"] is None
+    g = paired_gain([0.0, 0.5, 0.5, 0.5], [1.0, 0.5, 0.5, 1.5], per_prompt=2)  # per-prompt gains 0.5 and 0.5
+    assert g["mean"] == 0.5 and g["stderr"] == 0.0
+
+
+def test_a_shipped_model_is_sampled_with_its_own_settings():
+    from gerl.models.loader import shipped_settings
+
+    assert shipped_settings("ocr-mini") == {"resolution": 64, "max_sequence_length": 32, "num_steps": 20,
+                                            "guidance": 1.0}
+    assert shipped_settings("tiny") == {} and shipped_settings("some/hub-id") == {}
 
 
 def test_training_starts_from_model_init_lora(tmp_path):

@@ -63,7 +63,8 @@ def build_pipeline(cfg: Config, device: str | None = None, roles: tuple[str, ...
                     p.data = p.data.float()
                     p.requires_grad_(True)
         else:
-            add_lora(pipe.transformer, cfg.model.lora_rank, cfg.model.lora_alpha, cfg.model.lora_targets)
+            add_lora(pipe.transformer, cfg.model.lora_rank, cfg.model.lora_alpha, cfg.model.lora_targets,
+                     cfg.model.lora_init)
     return pipe
 
 

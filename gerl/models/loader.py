@@ -30,6 +30,17 @@ def resolve_model_path(path: str) -> str:
     return path
 
 
+SETTINGS_FILE = "gerl_settings.json"  # in a shipped model's directory: the settings gerl's recipes use with it
+
+
+def shipped_settings(path: str) -> dict:
+    """A shipped model's sampling settings for `gerl sample` / `gerl eval` (resolution, max_sequence_length,
+    num_steps, guidance), so that a base model is sampled as its runs validate; {} for any other model."""
+    d = SHIPPED_MODELS.get(path)
+    f = d / SETTINGS_FILE if d is not None else None
+    return json.loads(f.read_text()) if f is not None and f.is_file() else {}
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -93,8 +104,9 @@ def load_pipeline(path: str, dtype: str = "fp32", device: str = "auto", tiny_see
     return pipe
 
 
-def add_lora(transformer, rank: int, alpha: float, targets: list[str]):
-    """Attach a fresh LoRA (B = 0, so the policy starts equal to the base model) and keep its weights in fp32."""
+def add_lora(transformer, rank: int, alpha: float, targets: list[str], init: str = "default"):
+    """Attach a fresh LoRA (B = 0, so the policy starts equal to the base model) and keep its weights in fp32.
+    init: A's initialisation, peft's default (Kaiming-uniform) or "gaussian"."""
     from peft import LoraConfig
 
     names = [name for name, _ in transformer.named_modules()]
@@ -103,7 +115,8 @@ def add_lora(transformer, rank: int, alpha: float, targets: list[str]):
     if missing:
         raise UserError(f"model.lora_targets {missing} match no module of the transformer; "
                         "use names like to_q, to_k, to_v, to_out.0, add_q_proj")
-    transformer.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, init_lora_weights=True))
+    transformer.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets,
+                                       init_lora_weights="gaussian" if init == "gaussian" else True))
     for p in transformer.parameters():
         if p.requires_grad:
             p.data = p.data.float()  # fp32 master weights for the adapter even when the base is bf16
