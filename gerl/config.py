@@ -94,6 +94,7 @@ class TrainConfig:
     warmup_steps: int = 0  # linear warm-up, in optimizer steps
     inner_epochs: int = 1  # passes over each step's batch
     mini_batch_size: int = 0  # samples per optimizer step; 0 = all images of the step (one update per epoch)
+    shuffle_mini_batches: bool = True  # each inner epoch draws its mini-batches from a seeded random permutation of the step's samples (Flow-GRPO); false = consecutive slices in rollout order, a group's images together (GeRL's data.split)
     micro_batch_size: int = 8  # samples per forward/backward; gradients accumulate up to mini_batch_size
     clip_range: float = 1e-4  # PPO ratio clip ε; its scale depends on conventions.*_log_prob (Flow-GRPO: 1e-4 for its SDE configs, 1e-5 for CPS with squared_error; GeRL: 1e-5)
     adv_clip_max: float = 5.0  # advantages are clamped to [−adv_clip_max, adv_clip_max]
@@ -106,7 +107,10 @@ class TrainConfig:
     ema_decay: float = 0.0  # EMA of the trained weights used for validation (0 = off; e.g. 0.9 on small runs)
     flip_advantage: bool = False  # negate advantages — a sanity check: the reward must then NOT rise
     loss: str = "ppo_clip"  # policy objective from gerl/algo/policy_loss.py: ppo_clip | tis | topr | cispo (off-policy corrections for stale batches)
-    is_cap: float = 2.0  # loss=tis: importance weights are truncated at this value (dimensionless, > 0)
+    is_cap: float = 1.0  # loss=tis: importance weights are truncated at this value (dimensionless, > 0; ROLL's tis_upper_bound, also 1.0)
+    cispo_eps_low: float = 0.0  # loss=cispo: the importance weight is clipped below at 1 − this (ROLL's cispo_epsilon_low); 0 = train.clip_range
+    cispo_eps_high: float = 0.0  # loss=cispo: the importance weight is clipped above at 1 + this (ROLL's cispo_epsilon_high); 0 = train.clip_range
+    topr_split: Literal["advantage", "reward"] = "advantage"  # loss=topr: a sample is tapered to weight min(r, 1) when its advantage is < 0, or (ROLL's rule) its reward is ≤ 0 — then always-positive rewards taper nothing (gerl/algo/policy_loss.py)
     fp16_loss_scale: float = 65536.0  # model.dtype=fp16: initial dynamic loss scale (halved on an inf/NaN gradient, that step skipped on every rank; doubled after fp16_scale_growth_interval clean steps). 0 = off: per-element gradients of a 512² log-prob (~1e-9) then flush to zero in fp16 and nothing is learned
     fp16_scale_growth_interval: int = 2000  # optimizer steps without an overflow before the loss scale doubles (torch.amp.GradScaler's default; GeRL 400)
 
@@ -174,7 +178,7 @@ class EngineConfig:
     max_staleness: int = 1  # async: batches generated ahead of training (1 = one-step-off; ROLL's async_generation_ratio); stream: also the lag in versions beyond which a group is stale
     stale: Literal["drop", "downweight"] = "drop"  # stream: a group older than max_staleness versions is dropped, or kept with its advantages scaled down
     stale_decay: float = 0.5  # stream, stale=downweight: advantages × stale_decay^(lag − max_staleness), in (0, 1]
-    ratio_cap: float = 0.0  # truncate the importance ratio at this value for stale batches (0 = off)
+    ratio_cap: float = 0.0  # train.loss=ppo_clip: truncate the importance ratio at this value before the clip (0 = off; ≥ 1 + train.clip_range: dual-clip PPO, bounding a negative-advantage sample's loss at −ratio_cap·A; ROLL's dual_clip_loss is 1 + 2·ε)
     weight_sync: Literal["auto", "object_store", "broadcast"] = "auto"  # auto: object store for LoRA, bucketed broadcast for full fine-tuning
     sync_bucket_mb: int = 256  # bucket size of the broadcast weight sync
     ray_address: str = ""  # "" = start a local Ray; "auto" or host:port = join an existing cluster (ray start --head)
@@ -222,6 +226,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "conventions.group_std": "biased",
         "train.advantage": "global_std",  # sample.global_std = True in base.py and every SD3 config
         "train.per_prompt_tracker": False,  # its PerPromptStatTracker is cleared every epoch: this step's group
+        "train.shuffle_mini_batches": True,  # train_sd3.py: samples[perm] before rebatching, every inner epoch
         "ocr:strip": "spaces",
         "ocr:strict_confidence": True,
     },
@@ -234,6 +239,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "train.fp16_scale_growth_interval": 400,
         "train.advantage": "global_std",  # algorithm.global_std = True in ppo_trainer.yaml
         "train.per_prompt_tracker": False,
+        "train.shuffle_mini_batches": False,  # diffusers_actor.py update_policy: data.split(ppo_mini_batch_size), unshuffled
         "ocr:strip": "spaces",
         "ocr:strict_confidence": True,
     },
@@ -544,6 +550,8 @@ RANGES: dict[str, Range] = {
     "train.micro_batch_size": _ge(1),
     "train.clip_range": _gt(0),
     "train.is_cap": _gt(0),
+    "train.cispo_eps_low": _ge(0, "0 = train.clip_range"),
+    "train.cispo_eps_high": _ge(0, "0 = train.clip_range"),
     "train.fp16_loss_scale": _ge(0, "0 = no loss scaling"),
     "train.fp16_scale_growth_interval": _ge(1),
     "train.adv_clip_max": _gt(0, "advantages are clamped to [−adv_clip_max, adv_clip_max]"),
@@ -694,6 +702,19 @@ def _relations(cfg: Config) -> list[str]:
 
     if t.loss not in POLICY_LOSSES:
         e.append(f"train.loss={t.loss!r} is not a registered policy loss; choose one of {', '.join(sorted(POLICY_LOSSES))}")
+    # A loss's option set while another loss is chosen would be ignored without a word (gerl/algo/policy_loss.py).
+    for key, owner in (("is_cap", "tis"), ("cispo_eps_low", "cispo"), ("cispo_eps_high", "cispo"),
+                       ("topr_split", "topr")):
+        if getattr(t, key) != getattr(TrainConfig, key) and t.loss != owner:
+            e.append(f"train.{key} applies to train.loss={owner} only (here {t.loss}): remove it or set train.loss={owner}")
+    cap = cfg.engine.ratio_cap
+    if cap and t.loss != "ppo_clip":
+        e.append(f"engine.ratio_cap={cap} truncates ppo_clip's ratio only; train.loss={t.loss} bounds its own weight "
+                 "(tis: train.is_cap): set engine.ratio_cap=0")
+    elif 0 < cap < 1 + t.clip_range:
+        e.append(f"engine.ratio_cap={cap} must be 0 (off) or ≥ 1 + train.clip_range ({1 + t.clip_range:g}): a lower cap "
+                 "holds the ratio constant inside the clip range, so every sample whose ratio is above the cap gets no "
+                 "gradient (below 1 − clip_range, no sample of an on-policy batch learns at all); dual-clip PPO uses 3")
     if cfg.model.resolution % 16:
         e.append(f"model.resolution={cfg.model.resolution} must be a multiple of 16")
     g = cfg.engine

@@ -33,7 +33,11 @@ def grpo_loss(
     std: torch.Tensor | None = None,
     ratio_cap: float = 0.0,
     policy: str = "ppo_clip",
-    is_cap: float = 2.0,
+    is_cap: float = 1.0,
+    rewards: torch.Tensor | None = None,
+    cispo_eps_low: float = 0.0,
+    cispo_eps_high: float = 0.0,
+    topr_split: str = "advantage",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate loss for one micro-batch of denoising transitions.
 
@@ -44,14 +48,19 @@ def grpo_loss(
         clip_range: ε of the PPO clip on the ratio.
         beta: KL weight; when > 0, `mean`, `ref_mean` (B, C, h, w) and `std` (B, 1, 1, 1) are needed: see
             `kl_penalty` (the caller picks which std the convention divides by).
-        ratio_cap: if > 0, the ratio is truncated at this value before clipping (stale batches).
-        policy, is_cap: the policy term from gerl/algo/policy_loss.py (ppo_clip, tis, topr, cispo) and tis's cap.
+        ratio_cap: ppo_clip only: if > 0, the ratio is truncated at this value before clipping (dual clip).
+        policy: the policy term from gerl/algo/policy_loss.py (ppo_clip, tis, topr, cispo).
+        is_cap, cispo_eps_low, cispo_eps_high, topr_split: its options (the train.* keys of the same names).
+        rewards: (B,) the samples' rewards; read by topr with topr_split="reward".
     Returns:
         (scalar loss, detached stats: policy_loss, kl, ratio, clipfrac, approx_kl)
     """
+    if ratio_cap and policy != "ppo_clip":
+        raise ValueError(f"ratio_cap={ratio_cap} truncates ppo_clip's ratio; {policy} bounds its own weight: pass 0")
     ratio = torch.exp(log_prob - old_log_prob)
-    per_sample, was_clipped = get_policy_loss(policy)(log_prob, old_log_prob, advantages, clip_range=clip_range,
-                                                      ratio_cap=ratio_cap, is_cap=is_cap)
+    per_sample, was_clipped = get_policy_loss(policy)(
+        log_prob, old_log_prob, advantages, rewards, clip_range=clip_range, ratio_cap=ratio_cap, is_cap=is_cap,
+        cispo_eps_low=cispo_eps_low, cispo_eps_high=cispo_eps_high, topr_split=topr_split)
     policy_loss = per_sample.mean()
     loss = policy_loss
     kl = torch.zeros((), device=log_prob.device)

@@ -252,7 +252,9 @@ class ActorWorker:
         grad_norms = []
         self.transformer.train()
         for epoch in range(cfg.inner_epochs):
-            perm = torch.randperm(B, generator=torch.Generator().manual_seed(self.seed * 104_729 + step * 31 + epoch))
+            # train.shuffle_mini_batches: Flow-GRPO shuffles the samples first; GeRL splits them in order (data.split)
+            perm = (torch.randperm(B, generator=torch.Generator().manual_seed(self.seed * 104_729 + step * 31 + epoch))
+                    if cfg.shuffle_mini_batches else torch.arange(B))
             for m0 in range(0, B, self.mini):
                 mini = perm[m0:m0 + self.mini]
                 self.optimizer.zero_grad(set_to_none=True)
@@ -274,7 +276,9 @@ class ActorWorker:
                         kl_std = out.std if self.conventions.kl_std == "transition" else out.noise_coef
                         loss, stats = grpo_loss(lp, old_lp, advantages[idx].to(device),
                                                 cfg.clip_range, cfg.beta, out.mean, ref_mean, kl_std, self.ratio_cap,
-                                                cfg.loss, cfg.is_cap)
+                                                cfg.loss, cfg.is_cap,
+                                                None if batch.rewards is None else batch.rewards[idx].to(device),
+                                                cfg.cispo_eps_low, cfg.cispo_eps_high, cfg.topr_split)
                         if not torch.isfinite(loss):
                             finite = False
                             continue

@@ -30,27 +30,22 @@ def test_gradient_raises_the_log_prob_of_positive_advantages():
 
 
 @pytest.mark.parametrize(
-    "log_ratio,adv,clipped",
-    [
-        (0.5, 1.0, True),  # ratio > 1 + ε, A > 0: already pushed up enough — no gradient
-        (-0.5, -1.0, True),  # ratio < 1 − ε, A < 0: already pushed down enough — no gradient
-        (0.5, -1.0, False),  # ratio > 1 + ε, A < 0: the pessimistic (unclipped) branch still pulls it back
-        (-0.5, 1.0, False),  # ratio < 1 − ε, A > 0: likewise
-        (0.05, 1.0, False),  # inside the trust region
+    "log_ratio,adv,value,grad",
+    [  # ε = 0.2; e^0.5 = 1.648721, e^−0.5 = 0.606531, e^0.05 = 1.051271
+        (0.5, 1.0, -1.2, 0.0),  # ratio > 1 + ε, A > 0: already pushed up enough: −A·1.2, no gradient
+        (-0.5, -1.0, 0.8, 0.0),  # ratio < 1 − ε, A < 0: already pushed down enough: −A·0.8, no gradient
+        (0.5, -1.0, 1.648721, 1.648721),  # ratio > 1 + ε, A < 0: the pessimistic (unclipped) −A·r pulls it back
+        (-0.5, 1.0, -0.606531, -0.606531),  # ratio < 1 − ε, A > 0: likewise
+        (0.05, 1.0, -1.051271, -1.051271),  # inside the trust region: −A·r
     ],
 )
-def test_clipping(log_ratio, adv, clipped):
+def test_clipping(log_ratio, adv, value, grad):
     old = torch.tensor([-1.0])
     lp = (old + log_ratio).requires_grad_(True)
     loss, stats = grpo_loss(lp, old, torch.tensor([adv]), clip_range=0.2)
     loss.backward()
-    ratio = torch.exp(torch.tensor(log_ratio))
-    if clipped:
-        assert lp.grad.item() == 0
-        assert loss.item() == pytest.approx(-adv * float(ratio.clamp(0.8, 1.2)))
-    else:
-        assert lp.grad.item() == pytest.approx(-adv * ratio.item(), rel=1e-5)
-        assert loss.item() == pytest.approx(-adv * ratio.item(), rel=1e-5)
+    assert loss.item() == pytest.approx(value, rel=1e-5)
+    assert lp.grad.item() == pytest.approx(grad, rel=1e-5)
     assert stats["clipfrac"].item() == (1.0 if abs(log_ratio) > 0.2 else 0.0)
 
 
