@@ -2,9 +2,10 @@
 # bash recipes/run_sd3_fast_1p_with_reward.sh MODEL_PATH_OR_HUB_ID DATASET_DIR [key=value ...] [--print-config]
 # GeRL with_reward row, 1 GPU: pass reward.with_reward=false for the 'off' row.
 # Everything else is GeRL's run_sd3_fast_3p_a1_r2.sh with GeRL's conventions (recipes/gerl_sd3_fast_ocr.yaml):
-# SD3.5-M, cps, noise 0.8, window 3 in [0,5], guidance 1.0, 8 prompts x 8 images, mini-batch 4 prompts (two
-# optimizer steps per step), lr 1e-4, wd 1e-4, LoRA r32/a64, clip 1e-5, adv clip 5, no KL, fp16, 32 validation
-# prompts every 5 steps, 15 epochs. DATASET_DIR holds train.txt and test.txt (Flow-GRPO's dataset/ocr layout).
+# SD3.5-M, 512 T5 tokens, cps, noise 0.8, window 3 in [0,5], guidance 1.0, 8 prompts x 8 images, mini-batch 4
+# prompts in order (two optimizer steps per step), lr 1e-4, wd 1e-4, LoRA r32/a64 (gaussian, attn.*), clip 1e-4,
+# adv clip 5, no KL, fp16, 32 validation prompts every 5 steps, 15 epochs. DATASET_DIR holds train.txt and test.txt
+# (Flow-GRPO's dataset/ocr layout).
 # --print-config shows the resolved config and exits.
 set -euo pipefail
 MODEL="${1:?usage: $0 MODEL_PATH_OR_HUB_ID DATASET_DIR [key=value ...]}"

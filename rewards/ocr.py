@@ -5,9 +5,11 @@ target are lower-cased with whitespace removed; the score is 1.0 if the target o
 text, else `1 - min(levenshtein(recognised, target), len(target)) / len(target)`, which lies in [0, 1].
 
 Two conventions differ from Flow-GRPO's and GeRL's code, which `strip="spaces"` and `strict_confidence=True`
-reproduce (conventions.preset=flow_grpo / gerl_mm_grpo sets both): the peers remove only U+0020 spaces
+reproduce (conventions.preset=flow_grpo / gerl_mm_grpo sets both): the peers treat only U+0020 as a space
 (`str.replace(" ", "")`) where gerl removes every whitespace character (tabs, newlines, no-break spaces...), and
-they keep recognised lines with confidence > 0 where gerl keeps those ≥ min_confidence (0.0).
+they keep recognised lines with confidence > 0 where gerl keeps those ≥ min_confidence (0.0). Under "spaces" the
+rule holds everywhere, as in the peers: a recognised line of only a tab still counts (a character the target
+lacks), and the quoted target keeps a tab or no-break space at its ends (`prompt.split('"')[1]`, not stripped).
 
 Backends:
 - `rapidocr` (default): PP-OCR ONNX models shipped inside the `rapidocr` wheel; CPU, offline.
@@ -39,10 +41,11 @@ _OPEN_QUOTES = '"\u201c'  # " and “
 _CLOSE_QUOTES = '"\u201d'  # " and ”
 
 
-def extract_target(prompt: str) -> str | None:
-    """The text between the first pair of double quotes (straight `"..."` or curly `“...”`), stripped.
+def extract_target(prompt: str, strip: str = "whitespace") -> str | None:
+    """The text between the first pair of double quotes (straight `"..."` or curly `“...”`), stripped of whitespace
+    (strip="whitespace") or of U+0020 spaces only (strip="spaces": the peers keep a tab at the ends, which counts).
 
-    Returns None when there is no opening quote, the quote is never closed, or the quotes hold only whitespace.
+    Returns None when there is no opening quote, the quote is never closed, or the quotes hold nothing to score.
     """
     start = next((i for i, ch in enumerate(prompt) if ch in _OPEN_QUOTES), None)
     if start is None:
@@ -50,8 +53,12 @@ def extract_target(prompt: str) -> str | None:
     end = next((i for i in range(start + 1, len(prompt)) if prompt[i] in _CLOSE_QUOTES), None)
     if end is None:
         return None
-    target = prompt[start + 1 : end].strip()
+    target = _strip_ends(prompt[start + 1 : end], strip)
     return target or None
+
+
+def _strip_ends(text: str, strip: str) -> str:
+    return text.strip() if strip == "whitespace" else text.strip(" ")
 
 
 STRIP_MODES = ("whitespace", "spaces")
@@ -118,12 +125,13 @@ def ctc_likelihood_score(log_probs: np.ndarray, target_ids: list[int], blank: in
     return 0.0 if not math.isfinite(float(nll)) else math.exp(-float(nll) / len(target_ids))
 
 
-def target_for(prompt: str, metadata: dict | None) -> str | None:
-    """The target text of one sample: `metadata["target_text"]` when given, else the prompt's quoted text."""
+def target_for(prompt: str, metadata: dict | None, strip: str = "whitespace") -> str | None:
+    """The target text of one sample: `metadata["target_text"]` when given, else the prompt's quoted text (its ends
+    stripped as `extract_target` does for this strip mode)."""
     override = (metadata or {}).get("target_text")
     if override is not None:
-        return str(override).strip() or None
-    return extract_target(prompt)
+        return _strip_ends(str(override), strip) or None
+    return extract_target(prompt, strip)
 
 
 class OcrReward:
@@ -141,7 +149,8 @@ class OcrReward:
             several reward worker processes share the CPU; 0 lets the runtime use every core.
         min_confidence: drop recognised text lines scored below this (0.0 keeps all but negative scores).
         strict_confidence: keep only lines scored strictly above min_confidence (the peers keep score > 0).
-        strip: "whitespace" removes every whitespace character before comparing; "spaces" only U+0020 (peers).
+        strip: "whitespace" removes every whitespace character before comparing; "spaces" only U+0020 (the peers:
+            a tab, newline or no-break space in a recognised line or at the target's ends then counts).
         paddle_kwargs: extra keyword arguments for `paddleocr.PaddleOCR` (e.g. {"device": "gpu:0", "lang": "en"}).
         score: "edit" (Flow-GRPO's score of the recognised text) or "likelihood" (the recogniser's CTC probability
             of the target, per character; rapidocr with rec_only only; see the module docstring).
@@ -208,17 +217,19 @@ class OcrReward:
             (scores, {"ocr_text": the text recognised in each image})
         """
         if self.score == "likelihood":
-            return self.likelihood(images, [target_for(p, m) for p, m in zip(prompts, metadata)])
+            return self.likelihood(images, [target_for(p, m, self.strip) for p, m in zip(prompts, metadata)])
         scores, texts = [], []
         for image, prompt, meta in zip(images, prompts, metadata):
-            target = target_for(prompt, meta)
+            target = target_for(prompt, meta, self.strip)
             text = self.read(image) if target is not None else ""
             scores.append(ocr_score(text, target, self.strip) if target is not None else None)
             texts.append(text)
         return scores, {"ocr_text": texts}
 
     def read(self, image) -> str:
-        """All text lines recognised in a PIL image, joined by spaces."""
+        """All text lines recognised in a PIL image (those `keeps` passes), joined by spaces. A line of only
+        whitespace is kept: strip="whitespace" removes it anyway, and under "spaces" a tab counts, as in the peers'
+        `"".join(...)`."""
         # Both backends take a numpy array to be BGR (OpenCV's order). (H, W, 3) uint8
         bgr = np.ascontiguousarray(np.asarray(image.convert("RGB"))[:, :, ::-1])
         engine = self._load()
@@ -229,7 +240,7 @@ class OcrReward:
             scored = [(r["rec_text"], r["rec_score"]) for r in engine.predict(bgr)]
         else:
             scored = [ts for r in engine.predict(bgr) for ts in zip(r["rec_texts"], r["rec_scores"])]
-        return " ".join(t for t, score in scored if self.keeps(float(score)) and t.strip())
+        return " ".join(t for t, score in scored if self.keeps(float(score)))
 
     def likelihood(self, images, targets: list[str | None]) -> tuple[list[float | None], dict[str, list]]:
         """score="likelihood": one batched recogniser pass; each image's CTC score of its target (None: no target).
@@ -268,7 +279,7 @@ class OcrReward:
     def validate(self, prompts: list[str], metadata: list[dict]) -> None:
         """Raise UserError naming the prompts that have no target text (so they could never be scored)."""
         metadata = metadata or [{}] * len(prompts)
-        bad = [i for i, (p, m) in enumerate(zip(prompts, metadata)) if target_for(p, m) is None]
+        bad = [i for i, (p, m) in enumerate(zip(prompts, metadata)) if target_for(p, m, self.strip) is None]
         if bad:
             first = bad[0]
             raise UserError(
@@ -280,7 +291,7 @@ class OcrReward:
             rec = self._load()._load_rec_model()
             for i, (p, m) in enumerate(zip(prompts, metadata)):
                 try:
-                    self.label_ids(rec, target_for(p, m))
+                    self.label_ids(rec, target_for(p, m, self.strip))
                 except ValueError as e:
                     raise UserError(f"OCR score 'likelihood': prompt #{i + 1} {p[:80]!r}: {e}; use score: edit")
 

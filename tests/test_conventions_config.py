@@ -1,13 +1,18 @@
 """The conventions group: defaults are gerl's, presets fill in a peer's conventions without overriding what a config
-sets, OCR kwargs reach only OCR rewards, docs/conventions.md names every preset key; `gerl train --print-config`."""
+sets, OCR kwargs reach only OCR rewards, docs/conventions.md names every preset key; `gerl train --print-config`;
+the actor's mini-batch order (train.shuffle_mini_batches, which gerl_mm_grpo turns off)."""
 
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from gerl.cli import main
-from gerl.config import PRESETS, ConventionsConfig, load_config, to_dict
+from gerl.config import (PRESETS, AlgoConfig, ConventionsConfig, ModelConfig, SamplingConfig, TrainConfig, load_config,
+                         to_dict)
+from gerl.workers import matching
+from gerl.workers.actor import ActorWorker
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "recipes" / "tiny_cpu.yaml")
@@ -93,3 +98,33 @@ def test_print_config_redacts_secrets(capsys):
 def test_print_config_is_only_for_train(capsys):
     assert main(["report", "x", "--print-config"]) == 2
     assert "only applies to `gerl train`" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("algo", ["flow_grpo", "nft"])
+def test_shuffle_mini_batches_false_takes_the_samples_in_order(algo, make_rollout, lora_transformer, monkeypatch):
+    """gerl_mm_grpo's train.shuffle_mini_batches=false: each optimizer step trains the next consecutive slice of the
+    rollout (GeRL's data.split); true (Flow-GRPO, the default): a seeded permutation. Both algorithm paths."""
+    sampling = SamplingConfig(sampler="cps", num_steps=4, sde_window_size=1, sde_window_range=[0, 3],
+                              micro_batch_size=8)
+    rollout = make_rollout(sampling, lora_transformer())
+    rollout.record_sde = algo == "flow_grpo"  # nft keeps only the clean latents, as the engine's roles build it
+    batch = rollout.generate(["a"] * 4 + ["b"] * 4, [{}] * 8, torch.tensor([0] * 4 + [1] * 4), step=1)
+    adv = torch.linspace(-1, 1, 8)
+    order, replay_point = {}, matching._point
+    for shuffle in (True, False):
+        seen: list[list[int]] = []
+        actor = ActorWorker(lora_transformer(), TrainConfig(mini_batch_size=4, micro_batch_size=2,
+                                                            shuffle_mini_batches=shuffle),
+                            ModelConfig(lora=True), sampling, max_steps=1, images_per_step=8, seed=0,
+                            algo=AlgoConfig(name=algo, train_timesteps=1))
+        if algo == "flow_grpo":
+            replay = actor._replay
+            monkeypatch.setattr(actor, "_replay",
+                                lambda tr, b, idx, k: (seen.append(idx.tolist()), replay(tr, b, idx, k))[1])
+        else:
+            monkeypatch.setattr(matching, "_point",
+                                lambda b, idx, *a: (seen.append(idx.tolist()), replay_point(b, idx, *a))[1])
+        assert actor.update(batch, adv, step=1)["optimizer_steps"] == 2
+        order[shuffle] = [i for micro in seen for i in micro]
+    assert order[False] == list(range(8))  # [0, 1], [2, 3] | [4, 5], [6, 7]: the first group, then the second
+    assert sorted(order[True]) == list(range(8)) and order[True] != list(range(8))

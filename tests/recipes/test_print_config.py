@@ -16,6 +16,10 @@ REPO = Path(__file__).resolve().parents[2]
 YAMLS = sorted((REPO / "recipes").glob("*.yaml"))
 LAUNCHERS = sorted(p for p in (REPO / "recipes").glob("*.sh") if not p.name.startswith("_"))
 DATA = REPO / "assets" / "ocr"  # train.txt (2000 prompts) and test.txt: the dataset layout the launchers expect
+# Both peers' LoRA target_modules (GeRL's select_lora_modules, Flow-GRPO's train_sd3.py): the attn.* projections only,
+# so SD3.5-M's attn2 (blocks 0-12) is not adapted: 191 layers, 18.8M parameters at r=32
+ATTN_TARGETS = ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out", "attn.to_k",
+                "attn.to_out.0", "attn.to_q", "attn.to_v"]
 
 
 def env():
@@ -76,7 +80,11 @@ def test_gerl_row_launcher_is_gerls_run_sd3_fast_3p_a1_r2():
     assert t["micro_batch_size"] == 8 and s["micro_batch_size"] == 8  # ppo_micro_batch_size_per_gpu=8
     assert (t["learning_rate"], t["weight_decay"]) == (1e-4, 1e-4)
     assert (m["lora_rank"], m["lora_alpha"], m["dtype"], m["resolution"]) == (32, 64, "fp16", 512)
-    assert (t["clip_range"], t["adv_clip_max"], t["beta"], t["max_grad_norm"]) == (1e-5, 5.0, 0.0, 1.0)
+    assert (m["lora_init"], m["lora_targets"]) == ("gaussian", ATTN_TARGETS)  # lora_init_weights, target_modules auto
+    assert m["max_sequence_length"] == 512  # data.max_prompt_length=512 is rollout.prompt_length, T5's length
+    # actor.clip_ratio: actor.yaml's 0.0001 (since f53138a, 2025-11-20)
+    assert (t["clip_range"], t["adv_clip_max"], t["beta"], t["max_grad_norm"]) == (1e-4, 5.0, 0.0, 1.0)
+    assert t["shuffle_mini_batches"] is False  # update_policy: data.split(ppo_mini_batch_size), in order
     assert (s["sampler"], s["noise_level"], s["sde_window_size"], s["sde_window_range"]) == ("cps", 0.8, 3, [0, 5])
     assert (s["guidance_scale"], s["num_steps"], s["eval_num_steps"]) == (1.0, 10, 40)
     assert (c["validation"]["every"], c["validation"]["num_prompts"]) == (5, 32)
@@ -96,7 +104,8 @@ def test_every_gerl_row_keeps_two_optimizer_steps_and_gerls_conventions(name):
     c = launcher_config(name)
     images = c["data"]["prompts_per_step"] * c["data"]["group_size"]
     assert images // c["train"]["mini_batch_size"] == 2
-    assert c["conventions"]["preset"] == "gerl_mm_grpo" and c["train"]["clip_range"] == 1e-5
+    assert c["conventions"]["preset"] == "gerl_mm_grpo" and c["train"]["clip_range"] == 1e-4
+    assert c["train"]["shuffle_mini_batches"] is False and c["model"]["lora_targets"] == ATTN_TARGETS
     assert c["max_steps"] == 15 * (2000 // c["data"]["prompts_per_step"])
 
 
@@ -109,7 +118,28 @@ def test_flow_grpo_recipe_is_general_ocr_sd3():
     assert (t["beta"], t["clip_range"], t["learning_rate"], t["advantage"]) == (0.04, 1e-4, 3e-4, "global_std")
     assert c["data"]["prompts_per_step"] * c["data"]["group_size"] // t["mini_batch_size"] == 2
     assert c["conventions"]["preset"] == "flow_grpo" and c["conventions"]["group_std"] == "biased"
+    m = c["model"]
+    assert (m["lora_rank"], m["lora_alpha"], m["lora_init"], m["lora_targets"]) == (32, 64, "gaussian", ATTN_TARGETS)
+    assert m["max_sequence_length"] == 128 and t["shuffle_mini_batches"] is True  # samples[perm] before rebatching
     assert trained_steps_per_sample(load_config(str(REPO / "recipes" / "flow_grpo_sd3_ocr.yaml"))) == 9  # int(10·0.99)
+
+
+@pytest.mark.parametrize("recipe", ["gerl_sd3_fast_ocr.yaml", "flow_grpo_sd3_ocr.yaml"])
+def test_the_peer_recipes_adapt_the_peers_layers_of_sd35_medium(recipe):
+    """SD3.5-M's real transformer config on the meta device: the peers' 191 attn.* layers (8 per block, the last
+    block has no to_add_out), none of attn2 of the 13 dual-attention blocks; the short names would add those 52."""
+    import torch
+
+    from gerl.models.loader import add_lora
+    from gerl.models.sd35_arch import build_component
+
+    m = load_config(str(REPO / "recipes" / recipe)).model
+    with torch.device("meta"):
+        tr = build_component("transformer")
+    add_lora(tr, m.lora_rank, m.lora_alpha, m.lora_targets, m.lora_init)
+    adapted = [n for n, mod in tr.named_modules() if hasattr(mod, "lora_A")]
+    assert len(adapted) == 191 and not any(".attn2." in n for n in adapted)
+    assert sum(p.numel() for p in tr.parameters() if p.requires_grad) == 18_776_064  # vs 23,887,872 with attn2
 
 
 def test_launcher_without_the_dataset_fails_cleanly(tmp_path):

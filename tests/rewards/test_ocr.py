@@ -2,14 +2,16 @@
 
 import itertools
 import pickle
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from PIL import Image, ImageDraw, ImageFont
 
+from gerl.config import load_config
 from gerl.errors import UserError
 from rewards import build_reward, call_reward, validate_reward_inputs
-from rewards.ocr import OcrReward, ctc_likelihood_score, extract_target, levenshtein, ocr_score
+from rewards.ocr import OcrReward, ctc_likelihood_score, extract_target, levenshtein, ocr_score, target_for
 
 
 def render(text: str, size: int = 128, font_size: int = 20) -> Image.Image:
@@ -44,6 +46,15 @@ def reward():
 )
 def test_extract_target(prompt, expected):
     assert extract_target(prompt) == expected
+
+
+def test_extract_target_under_spaces_strips_only_spaces():
+    assert extract_target('A sign "\tOPEN\t"') == "OPEN"
+    assert extract_target('A sign "\tOPEN\t"', "spaces") == "\tOPEN\t"  # the peers' prompt.split('"')[1]
+    assert extract_target('A sign "  \u00a0OPEN "', "spaces") == "\u00a0OPEN"
+    assert extract_target('Blank "   " here', "spaces") is None  # nothing left to score (the peers divide by 0)
+    assert target_for("no quotes", {"target_text": "\nhi "}, "spaces") == "\nhi"
+    assert target_for("no quotes", {"target_text": "\nhi "}) == "hi"
 
 
 # ---- score formula ----------------------------------------------------------------------------------------------
@@ -158,11 +169,36 @@ def test_paddleocr_missing_is_a_clear_error(monkeypatch):
 # ---- normalisation conventions (conventions.preset=flow_grpo / gerl_mm_grpo set strip=spaces, strict_confidence) ---
 
 def peer_ocr_reward(lines: list[tuple[str, float]], prompt: str) -> float:
-    """Flow-GRPO's ocr.py / GeRL's reward_score/ocr.py, written out (python-Levenshtein's distance = ours)."""
+    """Flow-GRPO's flow_grpo/ocr.py and GeRL's reward_score/ocr.py with its text_dataset.get_ground_truth, written
+    out (python-Levenshtein's distance = ours): every line with score > 0 joined with "", a whitespace-only one
+    included; the target is prompt.split('"')[1], unstripped; only U+0020 is removed from either."""
     recognized = "".join(t if score > 0 else "" for t, score in lines).replace(" ", "").lower()
     target = prompt.split('"')[1].replace(" ", "").lower()
     dist = 0 if target in recognized else levenshtein(recognized, target)
     return 1 - min(dist, len(target)) / len(target)
+
+
+class FakeOcrEngine:
+    """Stands in for the loaded rapidocr engine: every image reads as these (text, confidence) lines."""
+
+    def __init__(self, lines: list[tuple[str, float]]):
+        self.lines = lines
+
+    def __call__(self, bgr):
+        return SimpleNamespace(txts=tuple(t for t, _ in self.lines) or None,
+                               scores=tuple(s for _, s in self.lines) or None)
+
+
+def score_lines(kwargs: dict, lines: list[tuple[str, float]], prompt: str) -> float:
+    """OcrReward's whole path (target extraction, line filter, join, score) on an image that reads as `lines`."""
+    reward = build_reward("ocr", kwargs)
+    reward._engine = FakeOcrEngine(lines)
+    scores, _ = call_reward(reward, [Image.new("RGB", (32, 32), "white")], [prompt], [{}])
+    return scores[0]
+
+
+def preset_ocr_kwargs(preset: str) -> dict:
+    return load_config(None, [f"conventions.preset={preset}"]).reward.kwargs
 
 
 def test_normalize_text_modes():
@@ -174,6 +210,7 @@ def test_normalize_text_modes():
         normalize_text(text, "tabs")
 
 
+@pytest.mark.parametrize("preset", ["flow_grpo", "gerl_mm_grpo"])
 @pytest.mark.parametrize("lines, prompt", [
     ([("OPEN LATE", 0.9)], 'A sign "Open Late"'),
     ([("OPEN\tLATE", 0.9)], 'A sign "Open Late"'),  # a tab: the peers keep it, so no containment
@@ -181,12 +218,32 @@ def test_normalize_text_modes():
     ([("Hallo", 0.7), ("World", 0.6)], 'says "Hello World"'),
     ([("x\u00a0y", 0.5)], 'says "x y"'),
     ([], 'says "abc"'),
+    ([("HELLO", 0.9), ("\t", 0.9), ("WORLD", 0.9)], 'A sign that says "HELLO WORLD"'),  # a whitespace-only line
+    ([("HELLO", 0.9), ("\u00a0", 0.8), ("\n", 0.7), ("WORLD", 0.9)], 'A sign that says "HELLO WORLD"'),
+    ([("OPEN", 0.9)], 'A sign that says "\tOPEN\t"'),  # the target keeps its tabs
+    ([("OPEN", 0.9)], 'A sign that says "\u00a0OPEN\n"'),
+    ([("\tOPEN\t", 0.9)], 'A sign that says "\tOPEN\t"'),
 ])
-def test_peer_preset_scores_match_the_peers_formula(lines, prompt):
-    r = OcrReward(strip="spaces", strict_confidence=True)
-    text = " ".join(t for t, s in lines if r.keeps(s) and t.strip())  # what OcrReward.read returns for these lines
-    ours = ocr_score(text, extract_target(prompt), strip=r.strip)
-    assert ours == pytest.approx(peer_ocr_reward(lines, prompt), abs=1e-12)
+def test_preset_scores_match_the_peers_formula(preset, lines, prompt):
+    assert score_lines(preset_ocr_kwargs(preset), lines, prompt) == pytest.approx(peer_ocr_reward(lines, prompt),
+                                                                                  abs=1e-12)
+
+
+@pytest.mark.parametrize("preset", ["flow_grpo", "gerl_mm_grpo"])
+def test_the_issues_examples_score_as_the_peers_under_the_presets(preset):
+    kw = preset_ocr_kwargs(preset)
+    hello = [("HELLO", 0.9), ("\t", 0.9), ("WORLD", 0.9)]
+    # "hello\tworld" against "helloworld": one insertion in 10 characters
+    assert score_lines(kw, hello, 'A sign that says "HELLO WORLD"') == pytest.approx(0.9)
+    # "open" against "\topen\t": two insertions in 6 characters
+    assert score_lines(kw, [("OPEN", 0.9)], 'A sign that says "\tOPEN\t"') == pytest.approx(1 - 2 / 6)
+    assert peer_ocr_reward(hello, 'A sign that says "HELLO WORLD"') == pytest.approx(0.9)
+    assert peer_ocr_reward([("OPEN", 0.9)], 'A sign that says "\tOPEN\t"') == pytest.approx(1 - 2 / 6)
+
+
+def test_gerls_default_ignores_every_whitespace_character():
+    assert score_lines({}, [("HELLO", 0.9), ("\t", 0.9), ("WORLD", 0.9)], 'A sign that says "HELLO WORLD"') == 1.0
+    assert score_lines({}, [("OPEN", 0.9)], 'A sign that says "\tOPEN\t"') == 1.0
 
 
 def test_confidence_rules():
