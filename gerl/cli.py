@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import math
 import os
@@ -148,6 +149,10 @@ def _resolve_settings(args) -> None:
             raise UserError(f"--{dest.replace('_', '-')} {value} must be {rng.text()}" + (f" ({rng.why})" if rng.why else ""))
     if args.resolution % 16:
         raise UserError(f"--resolution {args.resolution} must be a multiple of 16")
+    from gerl.plan.arch import check_resolution
+
+    quiet_libraries()  # reading the model's configs imports diffusers and transformers
+    check_resolution(args.model, args.resolution, f"--resolution {args.resolution}", args.tiny_seed or 0)
 
 
 def _json_object(text: str, flag: str) -> dict:
@@ -398,8 +403,45 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gerl", description="Flow-GRPO post-training for SD3")
+class _Parser(argparse.ArgumentParser):
+    """argparse with gerl's bad-input rule: no abbreviated flags (`--res` is not `--resolution`), and an error is one
+    line (`gerl: error: ...`, exit 2) naming the closest flag when one was mistyped, with the usage folded in."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+        self.argv: list[str] = []
+
+    def _chosen(self) -> argparse.ArgumentParser:
+        """The subcommand's parser once argv names one (unknown flags are reported by the top parser), else self."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                chosen = next((a for a in self.argv if a in action.choices), None)
+                if chosen is not None:
+                    return action.choices[chosen]
+        return self
+
+    def error(self, message: str):
+        where, hints = self._chosen(), []
+        if message.startswith("unrecognized arguments:"):
+            flags = [s for p in {id(self): self, id(where): where}.values() for a in p._actions for s in a.option_strings]
+            for word in message.split(":", 1)[1].split():
+                if word.startswith("-"):
+                    close = difflib.get_close_matches(word.split("=")[0], flags, n=1, cutoff=0.5)
+                    hints.append(f"did you mean {close[0]} for {word}?" if close else f"{where.prog} has no flag {word}")
+        elif "invalid choice:" in message:
+            word = message.split("invalid choice:", 1)[1].split("(")[0].strip(" '")
+            choices = [c for a in self._actions if isinstance(a, argparse._SubParsersAction) for c in a.choices]
+            close = difflib.get_close_matches(word, choices, n=1)
+            hints += [f"did you mean {close[0]}?"] if close else []
+        usage = " ".join(where.format_usage().split())
+        self.exit(2, f"gerl: error: {where.prog}: {message}{'; ' + '; '.join(hints) if hints else ''} ({usage}; "
+                     f"{where.prog} --help explains each flag)\n")
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    parser = _Parser(prog="gerl", description="Flow-GRPO post-training for SD3")
+    parser.argv = list(argv or [])
     parser.add_argument("--debug", action="store_true", help="show full tracebacks")
     parser.add_argument("--version", action="version", version=f"gerl {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -455,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     print_config = "--print-config" in argv  # taken out first so it may sit anywhere among the key=value overrides
     if print_config:
         argv.remove("--print-config")
-    args = build_parser().parse_args(argv)
+    args = build_parser(argv).parse_args(argv)
     if print_config and args.command != "train":
         print("gerl: error: --print-config only applies to `gerl train`", file=sys.stderr)
         return 2

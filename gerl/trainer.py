@@ -81,6 +81,9 @@ def prepare(cfg: Config) -> Prepared:
 
         if importlib.util.find_spec("wandb") is None:
             raise UserError("log.wandb=true needs wandb: pip install 'gerl[wandb]' (or set log.wandb=false)")
+    from gerl.plan.arch import check_resolution
+
+    check_resolution(cfg.model.path, cfg.model.resolution, f"model.resolution={cfg.model.resolution}", cfg.model.tiny_seed)
     _check_output_dir(cfg)
     resume_from = find_resume_checkpoint(Path(cfg.output_dir), cfg.resume)
     if resume_from is not None:  # a damaged line inside the logs fails here, before config.yaml is rewritten
@@ -204,7 +207,7 @@ class Trainer:
         if cfg.engine.schedule == "stream":  # rollouts pull groups from one prompt stream (gerl/engine/stream.py)
             stream_state = state.get("stream") if prep.resume_from is not None else None
             self.sampler_after[(stream_state or {}).get("first_draw", 1) - 1] = self.sampler.state_dict()
-            self.engine.open_stream(self.next_prompts, stream_state)
+            self.engine.open_stream(self.next_prompts, stream_state, cfg.max_steps - self.start_step)
         existed = self.run_dir.exists()
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -293,10 +296,20 @@ class Trainer:
                   file=sys.stderr)
 
     def check_reward_streak(self, step: int) -> None:
-        """Stop (exit 3) after reward.max_failed_steps consecutive steps in which no sample got a valid reward."""
+        """Stop (exit 3) after reward.max_failed_steps consecutive steps in which no sample got a valid reward, and
+        end a run shorter than that with exit 3 too when none of its steps got one: it trained nothing."""
         limit = self.cfg.reward.max_failed_steps
+        last = self._last_error or "every score was None (not applicable)"
+        ran = step - self.start_step  # steps this process ran (a resumed run's earlier steps are not its own)
+        if limit and step == self.cfg.max_steps and self._no_reward_steps == ran:
+            steps = f"the {ran} steps of this run" if not self.start_step else \
+                f"the {ran} steps since resuming at step {self.start_step}"
+            why = f"it ended before reward.max_failed_steps={limit} could stop it" if ran < limit else \
+                f"reward.max_failed_steps={limit}"
+            raise RunAborted(f"no sample got a valid reward in any of {steps}, so nothing was trained ({why}); reward "
+                             f"said: {last[:200]}. Fix the reward (try it with `gerl score`) and rerun with " + (
+                                 "resume=true and a higher max_steps" if self.start_step else "overwrite=true"))
         if limit and self._no_reward_steps >= limit:
-            last = self._last_error or "every score was None (not applicable)"
             raise RunAborted(f"no sample got a valid reward in {self._no_reward_steps} consecutive steps (up to step "
                              f"{step}; reward.max_failed_steps={limit}); reward said: {last[:200]}. Checkpoints "
                              f"in {self.run_dir}/checkpoints are intact: fix the reward (try it with `gerl score`) "

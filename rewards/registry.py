@@ -27,6 +27,7 @@ import difflib
 import importlib
 import importlib.metadata
 import inspect
+import sys
 from typing import Any, Callable, Sequence, Union
 
 from gerl.errors import UserError
@@ -202,6 +203,9 @@ def _import_attr(spec: str) -> Any:
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise UserError(f"reward {spec!r} is not of the form 'package.module:callable'; fix the reward name")
+    # A user's module is imported without caching its bytecode: a refused command (the module raises at import)
+    # must leave nothing behind, and Python writes __pycache__/ beside the module before running it.
+    dont_write, sys.dont_write_bytecode = sys.dont_write_bytecode, True
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
@@ -213,6 +217,8 @@ def _import_attr(spec: str) -> Any:
             f"importing module {module_name!r} for reward {spec!r} raised {type(e).__name__}: "
             f"{str(e).splitlines()[0][:200] if str(e) else ''}; fix the module (--debug shows the traceback)"
         ) from e
+    finally:
+        sys.dont_write_bytecode = dont_write
     obj = module
     for part in attr.split("."):
         if not hasattr(obj, part):

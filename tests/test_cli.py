@@ -225,6 +225,21 @@ BAD_INPUTS = [
      "--out /proc/gerl/eval.json is not writable"),
     ("report_out_proc", ["report", "{tmp}/fake_run", "--out", "/proc/gerl/report.html"],
      "--out /proc/gerl/report.html is not writable"),
+    # a resolution beyond the model's position embedding (pos_embed_max_size × patch_size × VAE factor), named
+    # before any weights load: tiny covers 32 × 2 × 4 = 256 px, ocr-mini reads its limit from its config files
+    ("train_resolution_over_tiny", [*TRAIN, "output_dir={tmp}/run", "model.resolution=512"],
+     "model.resolution=512 is larger than the 256 px"),
+    ("train_resolution_over_ocr_mini", [*TRAIN, "output_dir={tmp}/run", "model.path=ocr-mini", "model.resolution=512"],
+     "pos_embed_max_size"),
+    ("sample_resolution_over_tiny", ["sample", *PROMPT, "--resolution", "512", "--out", "{tmp}/imgs"],
+     "--resolution 512 is larger than the 256 px"),
+    # flags: no abbreviation is taken for a flag (argparse's default would run --res as --resolution), and a
+    # mistyped flag or command is named with the closest one, on one line
+    ("sample_flag_abbreviated", ["sample", *PROMPT, "--res", "64", "--out", "{tmp}/imgs"],
+     "unrecognized arguments: --res 64; did you mean --resolution for --res?"),
+    ("eval_flag_mistyped", ["eval", *PROMPT, "--reward", "ocr", "--images-per-promt", "2"],
+     "did you mean --images-per-prompt for --images-per-promt?"),
+    ("command_mistyped", ["trian", "recipes/tiny_cpu.yaml"], "invalid choice: 'trian'"),
     # an immutable directory (chattr +i): root may write anywhere else, but not there
     ("train_output_immutable", [*TRAIN, "output_dir={tmp}/immutable/run"], "immutable/run is not writable"),
     ("sample_out_immutable", ["sample", *PROMPT, "--out", "{tmp}/immutable"], "--out {tmp}/immutable is not writable"),
@@ -269,6 +284,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(request, tmp_path, case
     before = _snapshot(tmp_path)
     exe = Path(sys.executable).parent / "gerl"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO), os.environ.get("PYTHONPATH", "")]))
+    env.pop("PYTHONDONTWRITEBYTECODE", None)  # a user's default environment: Python caches the bytecode it imports
     r = subprocess.run([str(exe), *[a.format(tmp=tmp_path) for a in argv]], capture_output=True, text=True,
                        timeout=300, cwd=tmp_path, env=env)
     lines = r.stderr.strip().splitlines()
@@ -283,6 +299,7 @@ def test_version_and_train_usage():
     r = subprocess.run([str(exe), "--version"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.startswith("gerl ") and r.stdout.split()[1][0].isdigit(), r.stdout
     r = subprocess.run([str(exe), "train"], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2
-    assert "[key=value ...]" in r.stderr  # overrides are shown as optional...
-    assert "required: CONFIG.yaml" in r.stderr and "key=value" not in r.stderr.splitlines()[-1]  # ...and not required
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    missing, usage = r.stderr.split("(usage: ")
+    assert "[key=value ...]" in usage  # overrides are shown as optional...
+    assert "required: CONFIG.yaml" in missing and "key=value" not in missing  # ...and are not required

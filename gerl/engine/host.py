@@ -188,10 +188,13 @@ class Host:
         return m
 
     @_cpu_only("actor_weights")
-    def actor_weights(self, validation: bool = False):
+    def actor_weights(self, validation: bool = False, current: bool = False):
         """What rollouts generate with; with validation=True what validation scores instead (the EMA, or nft's
-        trained tensors), None when that is the same."""
-        return self.actor.validation_weights() if validation else self.actor.weights()
+        trained tensors) — None when that is what the rollouts hold, unless current=True (then the tensors)."""
+        if not validation:
+            return self.actor.weights()
+        w = self.actor.validation_weights()
+        return w if w is not None or not current else self.actor.worker.trainable_state()
 
     def send_broadcast(self, bucket_mb) -> float:
         t0 = time.perf_counter()

@@ -176,12 +176,13 @@ class RayEngine:
             self._pending_loads = [h.load_weights.remote(current, self._version) for h in self.rollouts]
         return {"step": step, "shards": shards, "refs": refs, "hosts": list(self.rollouts)}
 
-    def open_stream(self, draw, state: dict | None = None) -> None:
+    def open_stream(self, draw, state: dict | None = None, steps_left: int | None = None) -> None:
         """schedule=stream: rollouts pull groups from draw(1), draw(2), … (gerl/engine/stream.py)."""
         from gerl.engine.stream import GroupStream
 
         s = state or {}
-        self.stream = GroupStream(self, draw, s.get("first_draw", 1), s.get("consumed", []), s.get("dropped_total", 0))
+        self.stream = GroupStream(self, draw, s.get("first_draw", 1), s.get("consumed", []), s.get("dropped_total", 0),
+                                  steps_left)
 
     def collect(self, handle):
         if "stream" in handle:
@@ -267,8 +268,10 @@ class RayEngine:
         return time.perf_counter() - t0
 
     def validate(self, prompts, metadata):
-        # the rollouts hold the sampling weights; validation may score others (the EMA, or nft's trained tensors)
-        weights = self.ray.get(self.actors[0].actor_weights.remote(validation=True))
+        # Validation scores the actor's weights now. The rollouts hold the sampling weights, loaded in call order
+        # (async), or staged and loaded only when the next group starts (stream): there rollout 0 may still hold
+        # an older version, so stream always hands the weights over; and EMA / nft validate other tensors.
+        weights = self.ray.get(self.actors[0].actor_weights.remote(validation=True, current=self.stream is not None))
         return self.ray.get(self.rollouts[0].validate.remote(prompts, metadata, weights))
 
     def weights_equal(self) -> bool:
@@ -289,8 +292,12 @@ class RayEngine:
         return states[0]
 
     def close(self) -> None:
+        stream = self.stream is not None
+        if stream:  # nothing more is generated or scored; the hosts close beside any call still running
+            self.stream.cancel()
         try:
-            self.ray.get([h.close.remote() for h in self.hosts], timeout=30)
+            self.ray.get([(h.close.options(concurrency_group="weights") if stream else h.close).remote()
+                          for h in self.hosts], timeout=30)
         except Exception:  # noqa: BLE001 — shutting down; a dead host has nothing left to close
             pass
         for h in self.hosts:

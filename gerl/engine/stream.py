@@ -24,9 +24,11 @@ from gerl.workers.reward import merge_results
 
 
 class GroupStream:
-    def __init__(self, engine, draw, first_draw: int = 1, consumed: list[int] = (), dropped: int = 0):
+    def __init__(self, engine, draw, first_draw: int = 1, consumed: list[int] = (), dropped: int = 0,
+                 steps_left: int | None = None):
         """engine: the RayEngine (its ray module, rollouts, config); draw(d) -> (prompts, metadata, group_ids) of
-        draw d; resume: start at first_draw, skipping the group numbers in `consumed` (already trained)."""
+        draw d; resume: start at first_draw, skipping the group numbers in `consumed` (already trained);
+        steps_left: training steps still to come (nothing is generated beyond what they can take)."""
         cfg = engine.cfg
         self.ray, self.engine, self.draw = engine.ray, engine, draw
         self.P, self.n, self.k = cfg.data.prompts_per_step, cfg.data.group_size, cfg.engine.max_staleness
@@ -42,6 +44,8 @@ class GroupStream:
         self.busy: list[int] = []  # host index per start() call not yet returned
         self.ready: list[tuple] = []  # (first group, host, batch, res) in completion order
         self.dropped_total = dropped
+        self.steps_left = steps_left if steps_left is not None else cfg.max_steps
+        self.closed = False
         # start() calls queued per host: its share of the in-flight bound, so a host never idles while the driver
         # trains and enough groups are in flight to skip stragglers (a queued unit loads the newest staged weights
         # when it begins, so queueing does not age it)
@@ -53,11 +57,13 @@ class GroupStream:
             [u[0] for u in self.ready]
 
     def _issue(self) -> None:
-        """Keep `queue` units queued on every host, while generation is within max_staleness batches of training."""
+        """Keep `queue` units queued on every host, while generation is within max_staleness batches of training —
+        and never more groups open than the remaining steps can take (the run ends with nothing left running)."""
+        limit = min((self.k + 1) * self.P, self.steps_left * self.P)
         for j, host in [*enumerate(self.engine.rollouts)] * self.queue:
             while self.next_group in self.consumed:  # resume: already trained before the checkpoint
                 self.next_group += 1
-            if self.busy.count(j) >= self.queue or len(self._open_groups()) * self.unit >= (self.k + 1) * self.P:
+            if self.closed or self.busy.count(j) >= self.queue or len(self._open_groups()) * self.unit >= limit:
                 continue
             g = self.next_group
             d, i = g // self.P + 1, g % self.P
@@ -102,7 +108,20 @@ class GroupStream:
         self.consumed.update(g + u for g, *_ in units for u in range(self.unit))
         self._forget_finished_draws()
         self.dropped_total += dropped_now
+        self.steps_left -= 1
         return self._assemble(units, actor_version, dropped_now)
+
+    def cancel(self) -> int:
+        """At the end of a run: issue nothing more and cancel the generation and reward calls still open (a
+        call already running finishes on its host, whose close then drops its reward pools' queued work).
+        Returns how many calls were open."""
+        self.closed = True
+        refs = [*self.generating, *self.scoring]
+        for ref in refs:
+            self.ray.cancel(ref)
+        self.generating.clear()
+        self.scoring.clear()
+        return len(refs)
 
     def _forget_finished_draws(self) -> None:
         first = min([self.next_group, *self._open_groups()]) // self.P + 1

@@ -59,6 +59,28 @@ class Architecture:
     def latent_channels(self) -> int:
         return int(_get(self.configs["vae"], "latent_channels"))
 
+    def max_resolution(self) -> tuple[int, str]:
+        """(the largest image side the transformer's position table covers, in pixels; how it is made up).
+        diffusers crops SD3's pos_embed to the latent's patches and refuses a larger one."""
+        tf = self.configs["transformer"]
+        table, patch = int(_get(tf, "pos_embed_max_size")), int(_get(tf, "patch_size"))
+        return table * patch * self.vae_factor(), f"pos_embed_max_size {table} × patch_size {patch} × VAE factor {self.vae_factor()}"
+
+
+def check_resolution(path: str, resolution: int, what: str, tiny_seed: int = 0) -> None:
+    """A UserError naming `what` when `resolution` is beyond what model `path` can generate (read from its configs,
+    before any weights load). Silent when the configs cannot be read here: loading the model then says why."""
+    try:
+        arch = architecture(path, tiny_seed)
+        if "transformer" not in arch.configs or "vae" not in arch.configs:
+            return
+        limit, why = arch.max_resolution()
+    except (UserError, KeyError, TypeError, AttributeError):
+        return
+    if resolution > limit:
+        raise UserError(f"{what} is larger than the {limit} px that {path} can generate ({why}); "
+                        f"use at most {limit}")
+
 
 def _get(cfg, key: str):
     return cfg[key] if isinstance(cfg, dict) else getattr(cfg, key)

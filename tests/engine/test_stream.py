@@ -12,7 +12,7 @@ ray = pytest.importorskip("ray")  # a dev dependency: installed by scripts/setup
 from safetensors.torch import load_file  # noqa: E402
 
 from gerl.trainer import train  # noqa: E402
-from tests.train.helpers import small_config  # noqa: E402
+from tests.train.helpers import REPO, small_config  # noqa: E402
 
 DECOUPLED = ["engine.kind=ray", "engine.hybrid=false", "engine.device=cpu", "engine.cpus_per_worker=1"]
 
@@ -71,8 +71,74 @@ def test_stream_bounds_staleness_stages_weights_and_resumes(tmp_path):
     assert rows[-1]["stale_groups_dropped_total"] == sum(r["stale_groups_dropped"] for r in rows)
     assert max(r["policy_version"] for r in rows) >= 2  # new weights reached the rollout while it kept generating
     assert any(r["weight_load_s"] > 0 for r in rows)  # loaded from the staged buffer between micro-batches
-    state = json.loads((tmp_path / "checkpoints/step_000003/trainer_state.json").read_text())
-    assert state["stream"]["first_draw"] >= 1 and state["stream"]["dropped_total"] >= 0
+    P = 2
+    state = json.loads((tmp_path / "checkpoints/step_000003/trainer_state.json").read_text())["stream"]
+    dropped3 = next(r for r in rows if r["step"] == 3)["stale_groups_dropped_total"]
+    # every group of the draws before first_draw, plus those listed in `consumed`, was trained or dropped, once:
+    # 3 steps × P trained + the dropped ones, exactly
+    assert (state["first_draw"] - 1) * P + len(state["consumed"]) == 3 * P + dropped3 == 3 * P + state["dropped_total"]
+    assert all(g >= (state["first_draw"] - 1) * P for g in state["consumed"])
     resumed = _run(tmp_path, "max_steps=6", "resume=true", *STREAM)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
     assert max(resumed[-1]["policy_lags"]) <= 1
+    end = json.loads((tmp_path / "checkpoints/step_000006/trainer_state.json").read_text())["stream"]
+    # the resumed run neither retrained nor skipped a group: the same identity holds over all 6 steps
+    assert (end["first_draw"] - 1) * P + len(end["consumed"]) == 6 * P + end["dropped_total"]
+    assert end["dropped_total"] == resumed[-1]["stale_groups_dropped_total"] >= dropped3
+
+
+def test_downweighted_stale_groups_keep_their_advantage_times_the_decay(tmp_path):
+    """stale=downweight: the straggler is kept (nothing dropped) and its advantages are scaled by
+    stale_decay^(lag − max_staleness); checked on the stream's own assembly of a step's groups."""
+    from types import SimpleNamespace
+
+    from gerl.engine.stream import GroupStream
+    from gerl.workers.batch import RolloutBatch
+
+    rows = _run(tmp_path, "max_steps=5", *STREAM, "engine.stale=downweight", "engine.stale_decay=0.5")
+    lags = [lag for r in rows for lag in r["policy_lags"]]
+    assert rows[-1]["stale_groups_dropped_total"] == 0 and max(lags) > 1, "the straggler was kept, stale"
+
+    def unit(version):
+        b = RolloutBatch(prompts=["p"] * 2, metadata=[{}] * 2, group_ids=torch.zeros(2, dtype=torch.long),
+                         embeds=None, schedule=None, traj=None, images=[], policy_version=version)
+        return b
+    stream = GroupStream.__new__(GroupStream)
+    stream.P, stream.n, stream.unit, stream.k, stream.stale, stream.decay = 3, 2, 1, 1, "downweight", 0.5
+    stream.dropped_total = 0
+    merged = SimpleNamespace(spans=[], group_ids=None, timings={}, adv_scale=None)
+    import gerl.engine.stream as st
+    real_merge, real_results = st.merge, st.merge_results
+    st.merge, st.merge_results = (lambda bs: merged), (lambda rs, names: None)
+    try:
+        batch, _ = stream._assemble([(0, 0, unit(5), None), (1, 0, unit(4), None), (2, 0, unit(2), None)], 5, 0)
+    finally:
+        st.merge, st.merge_results = real_merge, real_results
+    # lags 0, 1, 3 with max_staleness 1: weights 1, 1, 0.5^(3 − 1) = 0.25, one per image of each group
+    assert batch.adv_scale.tolist() == [1.0, 1.0, 1.0, 1.0, 0.25, 0.25]
+    assert batch.timings["policy_lags"] == [0, 1, 3]
+
+
+def test_stream_validation_scores_the_actors_weights_and_the_last_one_the_saved_lora(tmp_path, capsys):
+    """Under the stream the rollouts load new weights only when their next group starts: validation must be handed
+    the actor's weights. The last validation equals a fresh `gerl eval` of the final checkpoint."""
+    from gerl.cli import main
+
+    rows = _run(tmp_path / "run", "max_steps=4", *STREAM, "validation.every=2", "validation.num_prompts=4")
+    assert [r["step"] for r in rows if r.get("val_reward_mean") is not None] == [0, 2, 4]
+    capsys.readouterr()
+    assert main(["eval", "--lora", str(tmp_path / "run/checkpoints/step_000004"), "--prompts",
+                 str(REPO / "assets/ocr/test.txt"), "--num-prompts", "4", "--seed", "1234", "--batch-size", "4",
+                 "--reward", "jpeg_compressibility"]) == 0
+    fresh = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["mean"]
+    assert rows[-1]["val_reward_mean"] == pytest.approx(fresh, abs=1e-6)
+
+
+def test_full_fine_tuning_under_the_stream_loads_bucket_by_bucket(tmp_path):
+    """Full weights are staged and loaded one bucket per micro-batch boundary (engine.sync_bucket_mb): the version
+    changes only once the last bucket is in, so a group may straddle two versions and carries the older one."""
+    rows = _run(tmp_path, "max_steps=4", *STREAM, "model.lora=false", "train.learning_rate=1e-4",
+                "engine.sync_bucket_mb=1")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert max(r["policy_version"] for r in rows) >= 1 and any(r["weight_load_s"] > 0 for r in rows)
+    assert all(r["grad_norm"] > 0 for r in rows)

@@ -122,3 +122,26 @@ def test_a_failed_start_leaves_nothing_a_rerun_refuses(tmp_path, monkeypatch):
     (tmp_path / "c" / "config.yaml").write_text("max_steps: 1\n")
     train(small_config(tmp_path / "c", "max_steps=1"))
     assert [r["step"] for r in _rows(tmp_path / "c")] == [1]
+
+
+@pytest.mark.parametrize("reward, said", [
+    ("raises", "the reward model is not loaded"), ("all_nan", "non-finite scores"),
+    ("strings", "could not convert string to float"), ("returns_none", "got None"),
+    ("wrong_length", "returned 5 scores for 4 images"),
+])
+def test_a_run_shorter_than_max_failed_steps_with_no_valid_reward_exits_3(tmp_path, capsys, reward, said):
+    # 2 steps < reward.max_failed_steps=3: the streak rule cannot fire, so the end of the run must say it trained nothing
+    code = main(["train", *CLI, f"output_dir={tmp_path}", "max_steps=2", "reward.max_failed_steps=3",
+                 "reward.retries=0", f"reward.name=tests.workers.broken:{reward}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 3, err
+    aborted = [ln for ln in err if ln.startswith("gerl: run aborted: ")]
+    assert len(aborted) == 1 and err[-1] == aborted[0], err
+    assert "no sample got a valid reward in any of the 2 steps of this run" in aborted[0]
+    assert "reward.max_failed_steps=3" in aborted[0] and said in aborted[0] and "overwrite=true" in aborted[0]
+    assert [r["step"] for r in _rows(tmp_path)] == [1, 2]
+
+
+def test_max_failed_steps_0_never_stops_a_run_for_missing_rewards(tmp_path):
+    assert main(["train", *CLI, f"output_dir={tmp_path}", "max_steps=2", "reward.max_failed_steps=0",
+                 "reward.retries=0", "reward.name=tests.workers.broken:raises"]) == 0
