@@ -18,7 +18,7 @@ from gerl.logging.quiet import quiet_libraries
 
 # Before torch loads OpenMP: idle threads sleep instead of spinning. On a busy CPU a spinning thread holds a core that
 # another thread (the reward, a second worker) needs; measured on 2 shared cores, a 2-thread training step of ocr-mini
-# took 6-15 s spinning vs 0.5-1 s passive (docs/benchmarks.md). Set OMP_WAIT_POLICY yourself to override.
+# took 6-15 s spinning vs 0.5-1 s passive (docs/lab_notebook.md). Set OMP_WAIT_POLICY yourself to override.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 

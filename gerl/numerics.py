@@ -1,6 +1,6 @@
 """Does low-precision training compute what fp32 would? A GPU's fp16 GEMM numerics emulated on a CPU, and the
 replay check: `ActorWorker.update` on a rollout's recorded steps, its ratio before the update and its LoRA gradient
-against the same update's on an fp32 copy (scripts/bench_gpu.py's ratio and gradient checks).
+against the same update's on an fp32 copy (benchmarks/bench_gpu.py's ratio and gradient checks).
 
 Why the emulation: on a CPU without avx512_fp16, PyTorch's fp16 matrix products are ~100–170× slower than fp32
 ((4205 × 1536) @ (1536 × 1536): 16 s in fp16, 0.1 s in fp32 on this project's EPYC), and the CPU flash-attention

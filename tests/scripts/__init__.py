@@ -1,14 +1,16 @@
-"""Tests of the scripts/ entry points, loaded as modules and called through their own main(argv)."""
+"""Tests of the benchmarks/ and scripts/ entry points, loaded as modules and called through their own main(argv)."""
 
 import importlib.util
 from pathlib import Path
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+REPO = Path(__file__).resolve().parents[2]
+HOMES = (REPO / "benchmarks", REPO / "scripts")  # benchmarks (bench_*, reproduce_tables, ...), then the rest
 
 
 def load_script(name: str):
-    """scripts/NAME.py as a module (scripts/ is not a package)."""
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    """NAME.py from benchmarks/ or else scripts/, as a module (loaded by path, as the scripts run as files)."""
+    path = next((home / f"{name}.py" for home in HOMES if (home / f"{name}.py").is_file()), HOMES[-1] / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

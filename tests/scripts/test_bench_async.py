@@ -1,4 +1,4 @@
-"""scripts/bench_async.py's arithmetic (ideal step times, span overlaps) and scripts/remote_reward.py, the
+"""benchmarks/bench_async.py's arithmetic (ideal step times, span overlaps) and scripts/remote_reward.py, the
 "reward served by another process" the benchmark uses: a real server process on 127.0.0.1 and the real client."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""scripts/bench_gpu.py's issue parts on the tiny SD3 (CPU, fp32), through the script's own main(argv): our rollout
+"""benchmarks/bench_gpu.py's issue parts on the tiny SD3 (CPU, fp32), through the script's own main(argv): our rollout
 against diffusers' StableDiffusion3Pipeline, the pre-update ratio check at training micro-batch 4 and 8, the tiny
 text encoders on random token ids, memory attribution, --out; its one-line errors (exit 2); the gradient check at
 SD3.5-M's real width (2 blocks, 512 px) in fp16 with and without loss scaling and in bf16; and the CPU fp16 GEMM

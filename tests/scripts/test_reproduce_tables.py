@@ -1,4 +1,4 @@
-"""scripts/reproduce_tables.py: the target rule, and a real 2-step run of two strategies (local sync and Ray
+"""benchmarks/reproduce_tables.py: the target rule, and a real 2-step run of two strategies (local sync and Ray
 one-step-off) on the tiny model with the JPEG reward, whose table must hold the numbers of the runs' own metrics."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Every GPU launcher for 2 steps on ONE GPU, each host on a share of it (engine.gpus_per_worker = 1 / hosts): the
-part of scripts/bench_gpu.py (`--launchers`) that checks the launchers as they really run, on CUDA.
+part of benchmarks/bench_gpu.py (`--launchers`) that checks the launchers as they really run, on CUDA.
 
 Each launcher runs as a user runs it (`bash recipes/run_sd3_fast_*.sh MODEL DATA ...`) with ocr-mini (the shipped
 model: its digits give the OCR reward something to tell apart, so the first update has a real gradient) at its
@@ -13,8 +13,8 @@ Hosts sharing one GPU exchange gradients with gloo (NCCL cannot join two ranks o
 function and memory, not multi-GPU speed. Without CUDA (`--device cpu`) the same runs are rehearsals
 (engine.rehearse=true): the orchestration and the checks that apply, for the CI test.
 
-    python scripts/bench_gpu.py --launchers                          # all five, on the GPU
-    python scripts/bench_gpu.py --launchers 3p_a1_r2 --device cpu    # one, rehearsed on CPU
+    python -m benchmarks gpu --launchers                          # all five, on the GPU
+    python -m benchmarks gpu --launchers 3p_a1_r2 --device cpu    # one, rehearsed on CPU
 """
 
 from __future__ import annotations

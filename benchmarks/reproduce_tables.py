@@ -2,7 +2,7 @@
 CPU cores), with GeRL's columns — throughput per core, steps and core-hours to reach and hold a target validation
 reward, final reward — and the speed-up against sync.
 
-Strategies (overrides from scripts/bench_async.py's MODES; every run is pinned to the first --cores cores):
+Strategies (overrides from benchmarks/bench_async.py's MODES; every run is pinned to the first --cores cores):
   sync          local engine, rewards after generation (with_reward off)
   with_reward   local engine, reward futures per micro-batch
   one_step_off  Ray, actor on cores/2 + rollout on cores/2, max_staleness 1
@@ -18,7 +18,7 @@ Definitions: devices = cores; core-hours = cores × Σ(step_s + validate_s) (ger
 images/s/core = images generated / (cores × the same wall seconds); "to target" = the first validation ≥ --target
 that holds for --hold validations.
 
-    python scripts/reproduce_tables.py --recipe recipes/tiny_cpu.yaml --max-steps 40 --budget-s 240 \\
+    python -m benchmarks reproduce_tables --recipe recipes/tiny_cpu.yaml --max-steps 40 --budget-s 240 \\
         --target -3.5 --table runs/tables/table.md --plot runs/tables/strategies.png [key=value ...]
 """
 
@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_async import MODES, REPO  # noqa: E402  (scripts/ is not a package)
+from bench_async import MODES, REPO  # noqa: E402  (benchmarks/ is on sys.path above)
 
 from gerl.logging.throughput import gpu_hours, gpu_hours_to_target, images_per_s_per_device, row_wall_s  # noqa: E402
 

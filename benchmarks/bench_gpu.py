@@ -29,11 +29,11 @@ stage with CUDA syncs. After the timed steps, at the final weights:
 
 The day a GPU is lent, two commands (a ~5 min and a ~4 min run):
 
-    python scripts/bench_gpu.py --with-reward both --text-encoders --out bench_gpu.json
-    python scripts/bench_gpu.py --launchers --out bench_launchers.json
+    python -m benchmarks gpu --with-reward both --text-encoders --out bench_gpu.json
+    python -m benchmarks gpu --launchers --out bench_launchers.json
 
 The second runs each of the five run_sd3_fast_*.sh launchers for 2 steps on this one GPU, each host on a share of it
-(engine.gpus_per_worker = 1/hosts), on ocr-mini at 64 px (scripts/bench_gpu_launchers.py): grad_norm > 0 and
+(engine.gpus_per_worker = 1/hosts), on ocr-mini at 64 px (benchmarks/bench_gpu_launchers.py): grad_norm > 0 and
 max |ratio − 1| ≤ 1e-3 at step 1, no CUDA context in the driver, each host's peak beside `gerl plan`'s. Add the
 fp16/bf16 gradient cosine on CUDA with `--dtype fp16 --steps 0 --no-stock` (and `--no-loss-scale` for the control).
 
@@ -47,8 +47,8 @@ replays of 64 × 3 steps with backward) ≈ 0.3 min; its gradient check's fp32 c
 64 × 3 steps in fp32 without TF32: ≈ 1.9 PFLOP at ≈ 40 of 67 TFLOP/s) ≈ 0.8 min; building on the GPU, imports,
 the OCR model ≈ 1 min. Total ≈ 4.5–5 min; allow 7.
 
-    python scripts/bench_gpu.py                         # pure GPU (random rewards), random embeddings
-    python scripts/bench_gpu.py --tiny --with-reward both --text-encoders --steps 1   # same code path, CPU, < 60 s
+    python -m benchmarks gpu                         # pure GPU (random rewards), random embeddings
+    python -m benchmarks gpu --tiny --with-reward both --text-encoders --steps 1   # same code path, CPU, < 60 s
 
 fp16 gradient underflow at SD3.5-M's real width on a CPU (IEEE fp16 casts and subnormals equal a GPU's): N blocks
 (--layers; dual attention kept on the blocks < N that have it), no timed steps, only the ratio and gradient checks,
@@ -60,7 +60,7 @@ run says so. ≈ 15–30 s each on 2 cores, plus 5–20 s to build the first. Me
 1.00000 in fp16 (loss scale 2¹⁶), 0.99987 in bf16, 0 in fp16 with --no-loss-scale (every entry exactly zero; at
 advantage scale 1, 96× larger gradients, still 68 % zero and cosine 0.70):
 
-    python scripts/bench_gpu.py --device cpu --layers 2 --dtype fp16 --steps 0 --warmup 0 --no-stock --prompts 1 \
+    python -m benchmarks gpu --device cpu --layers 2 --dtype fp16 --steps 0 --warmup 0 --no-stock --prompts 1 \
         --group-size 1 --num-steps 3 --sde-window 1 --sde-window-range 0 1 --t5-tokens 32 --advantage-scale 0.0104167
     # the same with --no-loss-scale (the control), or --dtype bf16
 
@@ -489,7 +489,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, str | None]:
     ap.add_argument("--launchers", nargs="*", default=None, metavar="NAME",
                     help="run GPU launchers instead (default all five: 1p_with_reward 3p_a1_r2 3p_a2_r1 3p_hybrid "
                          "8p_hybrid_with_reward) for 2 steps on this one GPU, on ocr-mini; rehearsed with --device cpu "
-                         "(scripts/bench_gpu_launchers.py)")
+                         "(benchmarks/bench_gpu_launchers.py)")
     ap.add_argument("--out", type=Path, default=None, help="write the summary as JSON to this file")
     args = ap.parse_args(argv)
     args.prompts = args.prompts or (2 if args.tiny else 8)
@@ -550,7 +550,7 @@ def launchers(args, device: torch.device) -> int:
     import importlib.util as iu
     import tempfile
 
-    spec = iu.spec_from_file_location("bench_gpu_launchers", REPO / "scripts" / "bench_gpu_launchers.py")
+    spec = iu.spec_from_file_location("bench_gpu_launchers", REPO / "benchmarks" / "bench_gpu_launchers.py")
     bl = iu.module_from_spec(spec)
     spec.loader.exec_module(bl)
 

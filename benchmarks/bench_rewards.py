@@ -4,7 +4,7 @@
   vlm      VLM requests/s with 1/4/16 in flight against a real `transformers serve` (tiny random LLaVA, CPU)
   overlap  with_reward step time vs its ideal, for a reward whose latency equals one micro-batch's generation time
 
-    python scripts/bench_rewards.py [ocr,vlm,overlap]
+    python -m benchmarks rewards [ocr,vlm,overlap]
 """
 
 import statistics
@@ -114,12 +114,22 @@ def bench_overlap() -> None:
           f"efficiency ideal/on = {ideal / on_t:.2f}, speed-up off/on = {off_t / on_t:.2f}x")
 
 
-def main() -> None:
+def main() -> int:
+    benches = {"ocr": bench_ocr, "vlm": bench_vlm, "overlap": bench_overlap}
+    arg = sys.argv[1] if len(sys.argv) > 1 else ",".join(benches)
+    usage = f"usage: {Path(sys.argv[0]).name} [{','.join(benches)}]"
+    if arg in ("-h", "--help"):
+        print(f"{usage}\n\n{__doc__}")
+        return 0
+    unknown = [n for n in arg.split(",") if n not in benches]
+    if unknown:
+        print(f"{usage}: unknown benchmark {unknown[0]!r}", file=sys.stderr)
+        return 2
     quiet_libraries()
-    which = (sys.argv[1] if len(sys.argv) > 1 else "ocr,vlm,overlap").split(",")
-    for name in which:
-        {"ocr": bench_ocr, "vlm": bench_vlm, "overlap": bench_overlap}[name]()
+    for name in arg.split(","):
+        benches[name]()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

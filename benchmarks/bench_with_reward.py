@@ -7,7 +7,7 @@ and "efficiency" = ideal / measured on-mode step time (1.0 = perfect overlap). T
 times measured alone (off mode) and with the on-mode's own stage times, which include the cost of the reward
 sharing CPU cores with generation.
 
-    python scripts/bench_with_reward.py [--steps 6] [key=value config overrides ...]
+    python -m benchmarks with_reward [--steps 6] [key=value config overrides ...]
 """
 
 import argparse

@@ -6,7 +6,7 @@ to `--max-s`; sleeping costs no CPU) around a base reward. Printed per mode: tra
 done, the distribution of policy lag over trained groups, stale groups dropped, and the final reward (mean training
 reward of the last 3 steps) after the budget.
 
-    python scripts/bench_stream.py [--budget 90] [--config recipes/tiny_cpu.yaml] [--base jpeg_compressibility] \\
+    python -m benchmarks stream [--budget 90] [--config recipes/tiny_cpu.yaml] [--base jpeg_compressibility] \\
         [key=value ...]
 """
 

@@ -3,7 +3,7 @@
 Same tiny model, same prompts (embeddings precomputed for both), same step count and batch, latents out (no
 decode), interleaved repeats so machine noise hits both alike. Target: ratio ≤ 1.05.
 
-    python scripts/bench_sampler.py [--steps 10] [--batch 8] [--repeats 15]
+    python -m benchmarks sampler [--steps 10] [--batch 8] [--repeats 15]
 """
 
 import argparse

@@ -1,6 +1,6 @@
 """CPU cost of the CLIP preference rewards at real size, next to the OCR reward, measured side by side in one run.
 
-    python scripts/bench_preference.py [--images 16] [--batch 8]
+    python -m benchmarks preference [--images 16] [--batch 8]
 
 `clipscore` and `aesthetic` run OpenAI CLIP ViT-L/14's architecture (random weights: no download; speed does not
 depend on the weights) with the real 224 px image processor; `ocr` is rapidocr on the same 512 px images. Each

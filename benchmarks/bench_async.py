@@ -21,8 +21,8 @@ Rewards: --reward ocr (rapidocr in a thread of the rollout process: it needs loc
 (scripts/remote_reward.py, a server process on 127.0.0.1 that sleeps --latency s per micro-batch: the latency costs
 no local CPU, like a VLM or OCR service on another machine). --reward jpeg is the cheap in-process reward.
 
-    python scripts/bench_async.py [--steps 6] [--reward ocr|remote|jpeg] [--latency 0.25]
-                                  [--modes sync,with_reward,one_step_off,stale2,hybrid] [key=value ...]
+    python -m benchmarks async [--steps 6] [--reward ocr|remote|jpeg] [--latency 0.25]
+                               [--modes sync,with_reward,one_step_off,stale2,hybrid] [key=value ...]
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""GeRL's benchmarks: one script per measurement; `python -m benchmarks` lists them and runs one."""

@@ -1,0 +1,252 @@
+"""The table that decides: Flow-GRPO-Fast, DiffusionNFT and AWM on ocr-mini at equal cores, scored on the sealed test.
+
+For each algorithm (its recipe), schedule and training seed, one run on the same --cores cores:
+  sync      local engine, the recipe as it is (reward futures on), torch on all the cores
+  async:K   Ray, 1 actor core + 1 rollout core, schedule async with max_staleness K (one-step-off at K = 1)
+Every run saves a checkpoint every --every steps and is stopped (SIGINT: it checkpoints that step) once its
+training costs --budget core-minutes, counted as cores × Σ step_s (generation, rewards, update and weight sync;
+without its checkpoint writes, and without validation, which is off). Then every checkpoint is scored on the
+sealed test numbers (assets/ocr_mini/test.txt) with fresh noise (--eval-seed, not the validation seed), 8 images
+per number, 20-step ODE, rapidocr recognition-only — and the base with the same noise, so each gain is paired.
+
+Columns per (algorithm, schedule), over the seeds: core-minutes to a test gain of --target (+0.15; the first
+checkpoint at or above it; "> budget" when not reached), the test gain at the budget, mean ± standard error
+over seeds (each seed's own standard error over the 16 numbers is in the JSON).
+
+    python scripts/algo_table.py --out docs/tables/algos          # everything: train, score, tabulate
+    python scripts/algo_table.py --out docs/tables/algos --only train --algos nft --schedules async:1,async:2,async:4
+    python scripts/algo_table.py --out docs/tables/algos --only eval --eval-shard 0/2   # score in two processes
+    python scripts/algo_table.py --out docs/tables/algos --only table
+
+Writes OUT.md (the table), OUT.json (every number) and the run directories under --runs-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+RECIPES = {"grpo": "recipes/ocr_mini.yaml", "nft": "recipes/ocr_mini_nft.yaml", "awm": "recipes/ocr_mini_awm.yaml"}
+NAMES = {"grpo": "Flow-GRPO-Fast", "nft": "DiffusionNFT", "awm": "AWM"}
+TEST = REPO / "assets" / "ocr_mini" / "test.txt"
+
+
+def schedule_overrides(schedule: str) -> list[str]:
+    if schedule == "sync":
+        return ["engine.kind=local"]
+    k = int(schedule.split(":")[1])
+    return ["engine.kind=ray", "engine.hybrid=false", "engine.device=cpu", "engine.cpus_per_worker=1",
+            "engine.schedule=async", f"engine.max_staleness={k}"]
+
+
+def read_rows(run: Path) -> list[dict]:
+    rows = []
+    p = run / "metrics.jsonl"
+    for line in (p.read_text().splitlines() if p.is_file() else []):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return rows
+
+
+def core_minutes(rows: list[dict], cores: int) -> dict[int, float]:
+    """{step: cumulative training core-minutes at its end} = cores × Σ step_s / 60."""
+    out, total = {}, 0.0
+    for r in rows:
+        if r.get("step_s"):
+            total += r["step_s"]
+            out[r["step"]] = cores * total / 60
+    return out
+
+
+def train_run(run: Path, algo: str, schedule: str, seed: int, args) -> None:
+    """One run to --budget training core-minutes (stopped with SIGINT; it checkpoints the step it is on)."""
+    cores = sorted(os.sched_getaffinity(0))[:args.cores]
+    cmd = [sys.executable, "-m", "gerl.cli", "train", RECIPES[algo], f"output_dir={run}", "overwrite=true",
+           f"seed={seed}", "max_steps=10000", "validation.every=-1", f"checkpoint.every={args.every}",
+           "checkpoint.keep_last=0", "log.progress_bar=false", "log.tensorboard=false", "log.images_every=0",
+           *schedule_overrides(schedule), *args.overrides]
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    run.mkdir(parents=True, exist_ok=True)
+    with (run.parent / f"{run.name}.log").open("w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=lambda: os.sched_setaffinity(0, set(cores)))
+        stopped = False
+        while proc.poll() is None:
+            spent = max(core_minutes(read_rows(run), args.cores).values(), default=0.0)
+            if not stopped and spent >= args.budget:
+                proc.send_signal(signal.SIGINT)  # finish this step, checkpoint it, stop
+                stopped = True
+            time.sleep(0.5)
+    if proc.returncode not in (0, 130):
+        tail = (run.parent / f"{run.name}.log").read_text()[-1500:]
+        sys.exit(f"algo_table: {run.name} failed (exit {proc.returncode}):\n{tail}")
+
+
+class Scorer:
+    """Scores LoRA checkpoints of ocr-mini on the sealed test numbers: one pipeline, the adapter's tensors copied in."""
+
+    def __init__(self, run: Path, eval_seed: int, images_per_prompt: int):
+        import torch
+
+        from gerl.config import SamplingConfig, load_config
+        from gerl.data.prompts import load_prompts
+        from gerl.models.loader import TextEmbedder, add_lora, load_pipeline
+        from gerl.workers.rollout import RolloutWorker
+        from rewards.ocr import OcrReward
+
+        cfg = load_config(str(run / "config.yaml"))
+        torch.set_num_threads(1)
+        self.pipe = load_pipeline(cfg.model.path)
+        add_lora(self.pipe.transformer, cfg.model.lora_rank, cfg.model.lora_alpha, cfg.model.lora_targets)
+        self.params = dict(self.pipe.transformer.named_parameters())
+        self.worker = RolloutWorker(self.pipe, TextEmbedder(self.pipe, cfg.model.max_sequence_length),
+                                    SamplingConfig(micro_batch_size=32), cfg.model.resolution, 0)
+        self.prompts = [p.text for p in load_prompts(str(TEST)) for _ in range(images_per_prompt)]
+        self.k, self.seed, self.steps = images_per_prompt, eval_seed, cfg.sampling.eval_num_steps
+        self.reward = OcrReward(rec_only=True)
+
+    def __call__(self, trainable: Path | None) -> list[float]:
+        import torch
+        from safetensors.torch import load_file
+
+        with torch.no_grad():
+            if trainable is None:  # the base: every LoRA B at zero
+                for n, p in self.params.items():
+                    if "lora_" in n:
+                        p.zero_() if "lora_B" in n else None
+            else:
+                for n, t in load_file(str(trainable)).items():
+                    self.params[n].copy_(t)
+        images = self.worker.sample_images(self.prompts, self.seed, self.steps, 1.0)
+        return self.reward(images, self.prompts, [{} for _ in self.prompts])[0]
+
+
+def score_run(run: Path, args) -> dict:
+    """{"base": scores, "steps": {step: scores}} for the run's checkpoints (cached in run/test_eval.json)."""
+    cache = run / "test_eval.json"
+    done = json.loads(cache.read_text()) if cache.is_file() else {"eval_seed": args.eval_seed, "steps": {}}
+    ckpts = sorted((run / "checkpoints").glob("step_*"))
+    todo = [c for c in ckpts if str(int(c.name[5:])) not in done["steps"]]
+    if "base" not in done or todo:
+        scorer = Scorer(run, args.eval_seed, args.images_per_prompt)
+        done.setdefault("base", scorer(None))
+        for c in todo:
+            done["steps"][str(int(c.name[5:]))] = scorer(c / "trainable.safetensors")
+            cache.write_text(json.dumps(done))
+    cache.write_text(json.dumps(done))
+    return done
+
+
+def paired(base: list, scores: list, k: int) -> tuple[float, float]:
+    """Mean gain over the test numbers (each number's k images, paired with the base's same noise) and its stderr."""
+    from gerl.cli import paired_gain
+
+    g = paired_gain(base, scores, k)
+    return g["mean"], g["stderr"]
+
+
+def summarize_run(run: Path, args) -> dict:
+    rows, ev = read_rows(run), json.loads((run / "test_eval.json").read_text())
+    minutes = core_minutes(rows, args.cores)
+    curve = []
+    for step, scores in sorted(ev["steps"].items(), key=lambda kv: int(kv[0])):
+        gain, se = paired(ev["base"], scores, args.images_per_prompt)
+        curve.append({"step": int(step), "core_min": minutes.get(int(step)), "gain": gain, "stderr": se})
+    reached = next((c["core_min"] for c in curve if c["gain"] >= args.target), None)
+    within = [c for c in curve if c["core_min"] is not None and c["core_min"] <= args.budget + 1e-9]
+    base_mean = sum(s for s in ev["base"] if s is not None) / len(ev["base"])
+    return {"run": run.name, "base_test": base_mean, "core_min_to_target": reached,
+            "gain_at_budget": within[-1]["gain"] if within else None, "curve": curve,
+            "steps": max((r["step"] for r in rows if "step_s" in r), default=0),
+            "s_per_step": (sum(r["step_s"] for r in rows if r.get("step_s")) /
+                           max(1, sum(1 for r in rows if r.get("step_s"))))}
+
+
+def mean_se(xs: list[float]) -> tuple[float | None, float | None]:
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return None, None
+    m = sum(xs) / len(xs)
+    se = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs)) if len(xs) > 1 else None
+    return m, se
+
+
+def table(results: dict, args) -> str:
+    lines = [f"| algorithm | schedule | seeds | s/step | core-min to +{args.target:g} (each seed) | "
+             f"test gain after {args.budget:g} core-min (mean ± SE over seeds) | base test |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for key, runs in results.items():
+        algo, schedule = key.split("|")
+        reach = [r["core_min_to_target"] for r in runs]
+        shown = ", ".join(f"{x:.1f}" if x is not None else f"> {args.budget:g}" for x in reach)
+        g, gse = mean_se([r["gain_at_budget"] for r in runs])
+        lines.append(f"| {NAMES[algo]} | {schedule} | {len(runs)} | {sum(r['s_per_step'] for r in runs) / len(runs):.2f} "
+                     f"| {shown} | {'–' if g is None else f'{g:+.3f}'}"
+                     f"{'' if gse is None else f' ± {gse:.3f}'} | {runs[0]['base_test']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="OUT.md and OUT.json are written")
+    ap.add_argument("--runs-dir", default="runs/algo_table")
+    ap.add_argument("--algos", default="grpo,nft,awm")
+    ap.add_argument("--schedules", default="sync,async:1", help="sync and/or async:K (1 actor core + 1 rollout core)")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--cores", type=int, default=2)
+    ap.add_argument("--budget", type=float, default=10.0, help="training core-minutes per run")
+    ap.add_argument("--every", type=int, default=5, help="checkpoint every N steps")
+    ap.add_argument("--target", type=float, default=0.15, help="test gain whose core-minutes are reported")
+    ap.add_argument("--eval-seed", type=int, default=777, help="noise of the test evaluation (fresh: not 1234)")
+    ap.add_argument("--images-per-prompt", type=int, default=8)
+    ap.add_argument("--only", choices=["train", "eval", "table"], default=None)
+    ap.add_argument("--eval-shard", default="0/1", help="I/N: score every N-th run starting at I (parallel scoring)")
+    ap.add_argument("overrides", nargs="*", help="config overrides for every run")
+    args = ap.parse_args(argv)
+    algos, schedules = args.algos.split(","), args.schedules.split(",")
+    bad = [a for a in algos if a not in RECIPES] + [s for s in schedules if s != "sync" and not s.startswith("async:")]
+    if bad:
+        print(f"algo_table: unknown {bad[0]!r}; algos: {', '.join(RECIPES)}; schedules: sync, async:K", file=sys.stderr)
+        return 2
+    seeds = [int(s) for s in args.seeds.split(",")]
+    runs_dir = Path(args.runs_dir).resolve()
+    plan = [(a, s, seed, runs_dir / f"{a}_{s.replace(':', '')}_seed{seed}") for a in algos for s in schedules
+            for seed in seeds]
+    if args.only in (None, "train"):
+        for a, s, seed, run in plan:
+            if not (run / "checkpoints").is_dir() or args.only == "train":
+                print(f"algo_table: training {run.name}", flush=True)
+                train_run(run, a, s, seed, args)
+    if args.only in (None, "eval"):
+        i, n = (int(x) for x in args.eval_shard.split("/"))
+        for a, s, seed, run in plan[i::n]:
+            print(f"algo_table: scoring {run.name}", flush=True)
+            score_run(run, args)
+    if args.only in (None, "table"):
+        results: dict[str, list] = {}
+        for a, s, seed, run in plan:
+            if (run / "test_eval.json").is_file():
+                results.setdefault(f"{a}|{s}", []).append(summarize_run(run, args))
+        md = table(results, args)
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.with_suffix(".md").write_text(md)
+        out.with_suffix(".json").write_text(json.dumps({"argv": sys.argv, "results": results}, indent=1))
+        print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
