@@ -16,6 +16,14 @@ import torch
 torch.set_num_threads(1)
 
 
+def pytest_collection_modifyitems(config, items):
+    """scripts/test.sh runs the suite in 2 processes (pytest-xdist, --dist loadgroup). The Ray tests start 2-CPU
+    clusters of pinned workers: they run one after another in one process (group "ray"), beside the rest."""
+    for item in items:
+        if item.nodeid.startswith("tests/engine/") or "ray_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("ray"))
+
+
 @pytest.fixture(scope="session")
 def tiny_pipe():
     """The tiny SD3 pipeline (seed 0, fp32, CPU, eval mode) with its progress bar off. Do not mutate."""
