@@ -15,14 +15,15 @@ the whole prompt, which made the first models draw unseen numbers with the wrong
 - the text encoders' self-attention outputs are fixed at zero (`--text-context token`, the default): a random
   encoder's attention mixes the whole prompt into the closing quote, end-of-text and padding tokens (and every T5
   token); zeroed, each token's embedding depends on that token and its position only (held-out 0.50 → 0.91 at
-  1,800 steps, a base with no room left for RL; hence 1,000 steps by default: about 0.5, see docs/benchmarks.md).
+  1,800 steps, a base with no room left for RL; hence 1,000 steps by default: about 0.5, see docs/lab_notebook.md).
 The floating-point sums, and so the weights, depend on the number of torch threads: the shipped model used 2.
 The result is a diffusers directory that `StableDiffusion3Pipeline.from_pretrained` loads and that
 `model.path=ocr-mini` selects.
 
-Held-out numbers (`HELD_OUT`) never occur in the pretraining data nor in the RL training prompts; the script writes
-`assets/ocr_mini/{train,test}.txt` prompt files with them when `--write-prompts` is given, and a model card with the
-base OCR scores (rapidocr, recognition only, ODE sampling) on both sets.
+Held-out numbers (`DEV` and the sealed `TEST`) never occur in the pretraining data nor in the RL training prompts;
+the script writes `assets/ocr_mini/{train,dev,test}.txt` prompt files when `--write-prompts` is given, and a model
+card with the base OCR scores (rapidocr, recognition only, ODE sampling) on the training and dev numbers (the test
+numbers are scored only by the final evaluations, never here).
 """
 
 from __future__ import annotations
@@ -47,8 +48,13 @@ sys.path.insert(0, str(ROOT))
 RESOLUTION = 64
 SHIFT = 3.0  # the flow-matching scheduler's shift, used for training σ and saved with the scheduler
 TEMPLATE = 'a sign that says "{}"'
-# 16 of the 100 two-digit strings, spread over first and last digits so every digit is still seen in training.
-HELD_OUT = ["07", "13", "20", "26", "31", "38", "44", "49", "52", "58", "65", "71", "76", "83", "89", "94"]
+# Two sets of 16 of the 100 two-digit strings, spread over first and last digits so that every digit is still seen
+# in training, are never drawn here nor used as RL training prompts. DEV is for every choice (recipes validate on
+# it; it was the earlier models' only held-out set, so every setting so far was tuned on it); TEST is sealed: only
+# the final tables evaluate on it (fresh noise, with a standard error), never a choice.
+DEV = ["07", "13", "20", "26", "31", "38", "44", "49", "52", "58", "65", "71", "76", "83", "89", "94"]
+TEST = ["03", "10", "16", "22", "29", "34", "41", "47", "50", "56", "62", "69", "78", "85", "91", "98"]
+HELD_OUT = DEV + TEST
 TRAIN = [f"{i:02d}" for i in range(100) if f"{i:02d}" not in HELD_OUT]
 
 
@@ -241,7 +247,8 @@ legible digits at 256). gerl passes `model.max_sequence_length` (32 in the recip
 
 - **Data**: the {len(TRAIN)} two-digit strings not held out, drawn by Pillow's bundled font at 27–29 px, position
   jittered by ±3 px, {a['variants']} renderings each. Held out (never seen here, nor in the RL training prompts):
-  {", ".join(HELD_OUT)} — `assets/ocr_mini/test.txt`.
+  dev {", ".join(DEV)} (`assets/ocr_mini/dev.txt`, for every choice) and the sealed test
+  {", ".join(TEST)} (`assets/ocr_mini/test.txt`, only for final evaluations).
 - **Conditioning**: {conditioning}
 - **Training**: VAE {a['vae_steps']} steps of batch 32 (L1 + MSE + 1e-4·KL); latents normalised by the fitted
   shift {card['shift']:.4f} and scale {card['scale']:.4f}; transformer {a['steps']} steps of batch {a['batch']},
@@ -250,14 +257,15 @@ legible digits at 256). gerl passes `model.max_sequence_length` (32 in the recip
   time depends on what else the machine runs).
 - **Command**: `{cmd}`
 - **Base OCR reward** (rapidocr, recognition only, one {a['eval_steps']}-step ODE sample per number, noise seed 1234):
-  training numbers {score('ocr_train_numbers')}; held-out numbers {score('ocr_held_out')}.
+  training numbers {score('ocr_train_numbers')}; dev numbers {score('ocr_dev')}. (The sealed test numbers are
+  not scored here: see the README's evaluation.)
 """)
 
 
 def write_prompts(directory: Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "train.txt").write_text("".join(TEMPLATE.format(n) + "\n" for n in TRAIN))
-    (directory / "test.txt").write_text("".join(TEMPLATE.format(n) + "\n" for n in HELD_OUT))
+    for name, numbers in (("train", TRAIN), ("dev", DEV), ("test", TEST)):
+        (directory / f"{name}.txt").write_text("".join(TEMPLATE.format(n) + "\n" for n in numbers))
 
 
 def main(argv=None) -> int:
@@ -278,14 +286,14 @@ def main(argv=None) -> int:
                     help="token (default, the shipped model): fix the random text encoders' self-attention outputs at "
                          "zero, so each token's embedding depends on that token and its position only (composes unseen "
                          "numbers far better); full: keep their attention, so every token after the first digit "
-                         "carries a hash of the whole number (the first shipped models; docs/benchmarks.md)")
+                         "carries a hash of the whole number (the first shipped models; docs/lab_notebook.md)")
     ap.add_argument("--caption-dropout", type=float, default=0.0,
                     help="fraction of training samples conditioned on the empty prompt, so that the model also learns "
                          "the unconditional velocity that classifier-free guidance needs (default 0: no guidance)")
     ap.add_argument("--caption-noise", type=float, default=0.0,
                     help="fraction of training samples conditioned on a random training number's caption instead of "
                          "their own, so the model draws the number it is asked for only part of the time")
-    ap.add_argument("--write-prompts", default="", help="also write train.txt/test.txt prompt files to this directory")
+    ap.add_argument("--write-prompts", default="", help="also write train.txt/dev.txt/test.txt prompt files to this directory")
     args = ap.parse_args(argv)
     if args.steps < 1 or args.vae_steps < 1 or args.batch < 1 or args.variants < 1:
         print("pretrain_ocr_mini: --steps, --vae-steps, --batch and --variants must be ≥ 1", file=sys.stderr)
@@ -354,10 +362,13 @@ def main(argv=None) -> int:
             "shift": shift, "scale": scale}
     if args.eval_steps:
         card["ocr_train_numbers"] = ocr_scores(pipe, TRAIN, 1234, args.eval_steps)
-        card["ocr_held_out"] = ocr_scores(pipe, HELD_OUT, 1234, args.eval_steps)
+        card["ocr_dev"] = ocr_scores(pipe, DEV, 1234, args.eval_steps)
         log(f"OCR (rapidocr rec-only, {args.eval_steps}-step ODE): train numbers {card['ocr_train_numbers']}, "
-            f"held out {card['ocr_held_out']}")
+            f"dev {card['ocr_dev']}")
     (tmp / "pretrain.json").write_text(json.dumps(card, indent=1) + "\n")
+    # what `gerl sample`/`gerl eval --model ocr-mini` use by default: the recipes' resolution, tokens and eval steps
+    (tmp / "gerl_settings.json").write_text(json.dumps(
+        {"resolution": RESOLUTION, "max_sequence_length": 32, "num_steps": 20, "guidance": 1.0}) + "\n")
     write_model_card(tmp, card)
     if out.exists():
         shutil.rmtree(out)

@@ -1,5 +1,5 @@
 """ocr-mini: the pretraining script is seeded and writes a stock diffusers pipeline; the shipped model loads by name;
-its held-out prompts never occur in training."""
+its dev and sealed test numbers never occur in training."""
 
 import json
 from pathlib import Path
@@ -42,6 +42,7 @@ def test_pretraining_is_seeded_and_writes_a_stock_pipeline(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a), "same seed, different weights: the pretraining is not reproducible"
     assert any(not torch.equal(a[k], c[k]) for k in a), "a different seed gave identical weights"
     assert json.loads((tmp_path / "a" / "pretrain.json").read_text())["args"]["steps"] == 3
+    assert json.loads((tmp_path / "a" / "gerl_settings.json").read_text())["num_steps"] == 20  # what eval samples with
     pipe = StableDiffusion3Pipeline.from_pretrained(str(tmp_path / "a"))  # stock diffusers, no gerl code
     pipe.set_progress_bar_config(disable=True)
     image = pipe('a sign that says "42"', num_inference_steps=2, height=64, width=64, guidance_scale=1.0,
@@ -81,6 +82,9 @@ def test_rendered_data_is_seeded_and_holds_ink():
     dark = (a < 128).mean()
     assert 0.03 < dark < 0.4, f"the number should cover a visible part of the image, got {dark:.3f}"
     assert not set(mod.HELD_OUT) & set(mod.TRAIN) and len(mod.TRAIN) + len(mod.HELD_OUT) == 100
+    assert not set(mod.DEV) & set(mod.TEST) and len(mod.DEV) == len(mod.TEST) == 16
+    for pos in (0, 1):  # every digit still occurs in training at both positions
+        assert {n[pos] for n in mod.TRAIN} == set("0123456789")
 
 
 def test_shipped_model_loads_by_name_and_recipe_holds_out_its_test_targets():
@@ -89,15 +93,18 @@ def test_shipped_model_loads_by_name_and_recipe_holds_out_its_test_targets():
     pipe = load_pipeline("ocr-mini")
     assert pipe.transformer.config.num_layers == 4 and pipe.transformer.config.sample_size == 16
     card = json.loads((SHIPPED_MODELS["ocr-mini"] / "pretrain.json").read_text())
-    assert 0.0 < card["ocr_held_out"]["mean"] < 1.0  # the base model is imperfect: room for RL to improve
+    assert 0.0 < card["ocr_dev"]["mean"] < 1.0  # the base model is imperfect: room for RL to improve
+    assert "ocr_test" not in card and "ocr_held_out" not in card  # the sealed test numbers are never scored here
     assert card["args"]["pooled"] == "zero" and not pipe.transformer.time_text_embed.text_embedder.linear_2.weight.any()
     assert card["args"]["text_context"] == "token" and card["args"]["threads"] == 2
     assert _differing_tokens(pipe, "65", "15") == 2
     cfg = load_config(str(REPO / "recipes" / "ocr_mini.yaml"))
     assert cfg.model.path == "ocr-mini"
     targets = lambda f: {extract_target(line) for line in (REPO / f).read_text().splitlines() if line.strip()}  # noqa: E731
-    train, test = targets(cfg.data.train_prompts), targets(cfg.data.test_prompts)
-    assert len(test) == 16 and not train & test, "validation targets must never occur in the training prompts"
+    train, dev = targets(cfg.data.train_prompts), targets(cfg.data.test_prompts)
+    sealed = targets("assets/ocr_mini/test.txt")
+    assert cfg.data.test_prompts.endswith("dev.txt"), "recipes validate on dev, never on the sealed test"
+    assert len(dev) == len(sealed) == 16 and not train & dev and not train & sealed and not dev & sealed
 
 
 def test_missing_shipped_model_is_a_user_error(monkeypatch, tmp_path):
