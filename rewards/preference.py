@@ -11,7 +11,14 @@ Every score is the model's own raw number, never rescaled behind the user's back
   on the L2-normalised CLIP ViT-L/14 image embedding, a 1–10 rating, ~4–7 on generated images. Ignores the prompt.
 
 Models load lazily, once per process, on the first call (the reward objects pickle without them, so every pool
-works: thread, process, or a Ray replica on its own GPU), on CUDA in fp16 when there is a GPU, else on CPU in fp32.
+works: thread, process, or a Ray replica on its own GPU), on CUDA when there is a GPU, else on CPU, in fp32 by
+default as flow_grpo's scorers (`dtype: fp16` halves the model's memory on CUDA; how far its scores move from fp32's
+has not been measured here, so it is opt-in; `auto` = fp16 on CUDA, fp32 on CPU).
+
+Resizing: each reward feeds its CLIP processor from transformers (PIL images, bicubic resize of the short side to
+224, centre crop). flow_grpo's CLIPScore scorer resizes torch tensors with torchvision's bilinear interpolation
+instead, so gerl's `clipscore` of the same image differs slightly from flow_grpo's (compare gains, not raw numbers,
+across the two codebases).
 A model is a hub id (from the local Hugging Face cache, downloaded if online) or a local directory. The torch side
 (score math, the aesthetic head, loading) is rewards/clip_models.py, imported on the first call.
 """
@@ -126,7 +133,8 @@ class ClipSimilarityReward(LazyModelReward):
         model: hub id or local directory of a transformers CLIPModel.
         processor: hub id or local directory of its CLIPProcessor (tokenizer + image processor); "" = `model`.
         device: "auto" (CUDA if visible, else CPU), "cpu", "cuda", "cuda:N".
-        dtype: "auto" (fp16 on CUDA, fp32 on CPU), "fp32", "fp16", "bf16". Scores are computed in fp32.
+        dtype: "fp32" (the factories' default, as the references), "fp16", "bf16", or "auto" (fp16 on CUDA, fp32
+            on CPU). Scores are computed in fp32.
         batch_size: images per forward pass.
     """
 
@@ -209,7 +217,7 @@ class AestheticReward(LazyModelReward):
 
 @register("pickscore")
 def pickscore(model: str = PICKSCORE_MODEL, processor: str = PICKSCORE_PROCESSOR, device: str = "auto",
-              dtype: str = "auto", batch_size: int = 32) -> ClipSimilarityReward:
+              dtype: str = "fp32", batch_size: int = 32) -> ClipSimilarityReward:
     """PickScore (Kirstain et al. 2023): exp(logit_scale) · cos of the PickScore_v1 CLIP-H, ~18–24 on real images.
 
     Args: see `ClipSimilarityReward`; defaults are the model and processor flow_grpo and Flow-Factory use.
@@ -218,7 +226,7 @@ def pickscore(model: str = PICKSCORE_MODEL, processor: str = PICKSCORE_PROCESSOR
 
 
 @register("clipscore")
-def clipscore(model: str = CLIP_MODEL, processor: str = "", device: str = "auto", dtype: str = "auto",
+def clipscore(model: str = CLIP_MODEL, processor: str = "", device: str = "auto", dtype: str = "fp32",
               batch_size: int = 32) -> ClipSimilarityReward:
     """CLIPScore: exp(logit_scale) · cos of OpenAI CLIP ViT-L/14, i.e. 100 · cos, ~15–35 on real images.
 
@@ -229,7 +237,7 @@ def clipscore(model: str = CLIP_MODEL, processor: str = "", device: str = "auto"
 
 @register("aesthetic")
 def aesthetic(model: str = CLIP_MODEL, processor: str = "", head: str = AESTHETIC_HEAD,
-              head_file: str = AESTHETIC_HEAD_FILE, device: str = "auto", dtype: str = "auto",
+              head_file: str = AESTHETIC_HEAD_FILE, device: str = "auto", dtype: str = "fp32",
               batch_size: int = 32) -> AestheticReward:
     """LAION improved-aesthetic-predictor on CLIP ViT-L/14 (DDPO's aesthetic reward), ≈1–10.
 

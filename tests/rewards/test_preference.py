@@ -327,3 +327,17 @@ def test_shipped_multi_reward_recipe_builds_its_rewards():
     assert [c.weight for c in comps] == [0.8, 0.2]
     for c in comps:
         build_reward(c.name, c.kwargs)
+
+
+@pytest.mark.parametrize("name", ["pickscore", "clipscore", "aesthetic"])
+def test_clip_rewards_default_to_fp32_even_on_cuda(name):
+    """The references (flow_grpo's scorers) run these models in fp32; fp16 is opt-in. Nothing loads here: the
+    factory only records its settings, and a CUDA device is resolved without one."""
+    import torch
+
+    from rewards.clip_models import resolve_dtype
+    from rewards.registry import build_reward
+
+    reward = build_reward(name, {})
+    assert reward.dtype == "fp32" and resolve_dtype(reward.dtype, torch.device("cuda")) == torch.float32
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.float16  # "auto" still means fp16 on a GPU
