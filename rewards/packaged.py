@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections import defaultdict
+from pathlib import Path
 
 from gerl.errors import UserError
 from rewards.preference import LazyModelReward, check_available, model_source
@@ -105,6 +106,24 @@ class ImageRewardReward(LazyModelReward):
         self.model_id = model if model == "ImageReward-v1.0" else model_source(model, "imagereward model")
         self.med_config = med_config or None
         self.download_root = download_root or None
+        if self.med_config is not None and not Path(self.med_config).expanduser().is_file():
+            raise UserError(f"imagereward: med_config {med_config} is not a file; pass BLIP's med_config.json or "
+                            "leave it empty to let the package fetch it")
+
+    def validate(self, prompts: list[str], metadata: list[dict]) -> None:
+        """Start-up check, without loading: ImageReward-v1.0 is fetched by the package into download_root on the
+        first call; offline (HF_HUB_OFFLINE set) it must already be there, or the first reward call would fail."""
+        if self.model_id != "ImageReward-v1.0":
+            return  # a local file, checked by model_source
+        from huggingface_hub import constants
+
+        root = Path(self.download_root or "~/.cache/ImageReward").expanduser()
+        missing = [f for f in ("ImageReward.pt", "med_config.json")
+                   if not (root / f).is_file() and not (f == "med_config.json" and self.med_config)]
+        if constants.HF_HUB_OFFLINE and missing:
+            raise UserError(f"imagereward: {', '.join(missing)} not in {root} and HF_HUB_OFFLINE is set; run it once "
+                            "where there is network (the package downloads THUDM/ImageReward there), or pass "
+                            "model=/path/to/ImageReward.pt and med_config=/path/to/med_config.json")
 
     def _build(self, device, dtype):
         import ImageReward as RM

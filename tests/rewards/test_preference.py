@@ -341,3 +341,25 @@ def test_clip_rewards_default_to_fp32_even_on_cuda(name):
     reward = build_reward(name, {})
     assert reward.dtype == "fp32" and resolve_dtype(reward.dtype, torch.device("cuda")) == torch.float32
     assert resolve_dtype("auto", torch.device("cuda")) == torch.float16  # "auto" still means fp16 on a GPU
+
+
+def test_imagereward_start_up_check_offline(tmp_path, monkeypatch):
+    """image-reward cannot be installed here (it needs torchvision, which has no CPU wheel for this torch), so the
+    package check is stubbed — the one mock in this file, at that edge; the start-up check itself is gerl's code."""
+    import rewards.packaged as packaged
+    from gerl.errors import UserError
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(packaged, "require_package", lambda *a: None)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    reward = packaged.imagereward(download_root=str(tmp_path))
+    with pytest.raises(UserError, match=r"ImageReward.pt, med_config.json not in .* HF_HUB_OFFLINE is set"):
+        reward.validate(["a cat"], [{}])
+    (tmp_path / "ImageReward.pt").write_bytes(b"x")
+    (tmp_path / "med_config.json").write_text("{}")
+    reward.validate(["a cat"], [{}])  # both files cached: nothing to say
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    (tmp_path / "ImageReward.pt").unlink()
+    packaged.imagereward(download_root=str(tmp_path)).validate(["a cat"], [{}])  # online: the package fetches it
+    with pytest.raises(UserError, match="med_config .* is not a file"):
+        packaged.imagereward(med_config=str(tmp_path / "missing.json"))
