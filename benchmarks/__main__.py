@@ -76,9 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     name, args = argv[0], argv[1:]
     known = list(benchmarks())
     if name not in known:
-        close = difflib.get_close_matches(name.removeprefix("bench_").removesuffix(".py"), known, n=1, cutoff=0.0)
-        print(f"{PROG}: no benchmark {name!r}; the closest is {close[0]!r} (`{PROG}` lists them all)",
-              file=sys.stderr)
+        close = difflib.get_close_matches(name.removeprefix("bench_").removesuffix(".py"), known, n=1, cutoff=0.5)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        print(f"{PROG}: no benchmark {name!r}; {hint}`{PROG}` lists them all", file=sys.stderr)
         return 2
     return run(name, args)
 
