@@ -25,20 +25,37 @@ def _run(out, *overrides):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_async_resume_is_bit_exact(tmp_path):
-    k = ["engine.schedule=async", "engine.max_staleness=2", "checkpoint.every=2", "checkpoint.keep_last=0"]
-    full = _run(tmp_path / "full", "max_steps=5", *k)
-    _run(tmp_path / "split", "max_steps=2", *k)
-    ckpt = tmp_path / "split/checkpoints/step_000002"
-    assert set(load_file(str(ckpt / "inflight_weights.safetensors"))) and \
-        {key.split("/")[0] for key in load_file(str(ckpt / "inflight_weights.safetensors"))} == {"v0", "v1"}
-    resumed = _run(tmp_path / "split", "max_steps=5", "resume=true", *k)
+@pytest.mark.parametrize("k", [1, 2])
+def test_async_resume_is_bit_exact(tmp_path, k):
+    """A run stopped after its step-2 checkpoint and resumed equals the uninterrupted run. k = 1 is one-step-off (the
+    mission's schedule). A cosine LR with warm-up over the run's 5 steps makes every step's learning rate differ, so
+    a scheduler or optimizer resumed one step off shows. The rollout hosts are fresh processes after the resume:
+    any state of theirs that mattered (their sampling noise is a function of seed, step and sample only) would
+    show in reward_mean."""
+    import shutil
 
-    assert [r["policy_version"] for r in full] == [0, 0, 0, 1, 2]  # steps 3..4 were in flight at the checkpoint
-    for key in ("reward_mean", "policy_version", "policy_lag", "policy_loss", "grad_norm"):
+    a = ["max_steps=5", "engine.schedule=async", f"engine.max_staleness={k}", "checkpoint.every=2",
+         "checkpoint.keep_last=0", "train.lr_schedule=cosine", "train.warmup_steps=1", "train.learning_rate=0.05"]
+    full = _run(tmp_path / "full", *a)
+    # the state a run killed during step 3 leaves: the step-2 checkpoint and the rows logged up to it
+    split = tmp_path / "split"
+    shutil.copytree(tmp_path / "full", split)
+    for later in sorted((split / "checkpoints").glob("step_*"))[1:]:  # step 4 and the final step 5
+        shutil.rmtree(later)
+    (split / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in full if r["step"] <= 2))
+    ckpt = split / "checkpoints/step_000002"
+    # steps 3..2+k were in flight at the checkpoint, generated with versions 2−k, …, 1: saved with it
+    assert {key.split("/")[0] for key in load_file(str(ckpt / "inflight_weights.safetensors"))} == \
+        {f"v{v}" for v in range(2 - k, 2)}
+    resumed = _run(split, *a, "resume=true")
+
+    assert [r["policy_version"] for r in full] == [max(0, t - k - 1) for t in range(1, 6)]
+    assert len({r["learning_rate"] for r in full}) == 5, "the LR must change every step for this test to bite"
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5]
+    for key in ("reward_mean", "policy_version", "policy_lag", "policy_loss", "grad_norm", "learning_rate"):
         assert [r[key] for r in resumed] == [r[key] for r in full], key
     a = load_file(str(tmp_path / "full/checkpoints/step_000004/trainable.safetensors"))
-    b = load_file(str(tmp_path / "split/checkpoints/step_000004/trainable.safetensors"))
+    b = load_file(str(split / "checkpoints/step_000004/trainable.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
 
 

@@ -13,12 +13,12 @@ Columns per (algorithm, schedule), over the seeds: core-minutes to a test gain o
 checkpoint at or above it; "> budget" when not reached), the test gain at the budget, mean ± standard error
 over seeds (each seed's own standard error over the 16 numbers is in the JSON).
 
-    python scripts/algo_table.py --out docs/tables/algos          # everything: train, score, tabulate
-    python scripts/algo_table.py --out docs/tables/algos --only train --algos nft --schedules async:1,async:2,async:4
-    python scripts/algo_table.py --out docs/tables/algos --only eval --eval-shard 0/2   # score in two processes
-    python scripts/algo_table.py --out docs/tables/algos --only table
+    python -m benchmarks algo_table --out docs/tables/algos          # everything: train, score, tabulate
+    python -m benchmarks algo_table --out docs/tables/algos --only train --algos nft --schedules async:1,async:2,async:4
+    python -m benchmarks algo_table --out docs/tables/algos --only eval --eval-shard 0/2   # score in two processes
+    python -m benchmarks algo_table --out docs/tables/algos --only table
 
-Writes OUT.md (the table), OUT.json (every number) and the run directories under --runs-dir.
+Writes OUT.md (the table), OUT.json (every number), OUT.png (the curves) and the run directories under --runs-dir.
 """
 
 from __future__ import annotations
@@ -198,6 +198,32 @@ def table(results: dict, args) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(results: dict, args, path: Path) -> None:
+    """Sealed-test gain vs training core-minutes: each seed's curve faint, the target as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"grpo": "tab:blue", "nft": "tab:orange", "awm": "tab:green"}
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    for key, runs in results.items():
+        algo, schedule = key.split("|")
+        for i, r in enumerate(runs):
+            pts = [(c["core_min"], c["gain"]) for c in r["curve"] if c["core_min"] is not None]
+            pts = [(0.0, 0.0), *pts]  # step 0 is the base: gain 0 by definition
+            ax.plot(*zip(*pts), color=colors[algo], ls="-" if schedule == "sync" else "--", alpha=0.8, lw=1.2,
+                    label=f"{NAMES[algo]}, {schedule}" if i == 0 else None)
+    ax.axhline(args.target, color="grey", lw=0.8, ls=":")
+    ax.set_xlabel("training core-minutes (2 cores)")
+    ax.set_ylabel("sealed-test OCR gain (paired)")
+    ax.set_xlim(0, args.budget * 1.05)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="OUT.md and OUT.json are written")
@@ -244,6 +270,7 @@ def main(argv=None) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.with_suffix(".md").write_text(md)
         out.with_suffix(".json").write_text(json.dumps({"argv": sys.argv, "results": results}, indent=1))
+        plot(results, args, out.with_suffix(".png"))
         print(md)
     return 0
 
