@@ -301,7 +301,8 @@ class Trainer:
         limit = self.cfg.reward.max_failed_steps
         last = self._last_error or "every score was None (not applicable)"
         ran = step - self.start_step  # steps this process ran (a resumed run's earlier steps are not its own)
-        if limit and step == self.cfg.max_steps and self._no_reward_steps == ran:
+        # with reward.on_failure=fixed the failed samples were trained on their fixed score: the run did train
+        if limit and step == self.cfg.max_steps and self._no_reward_steps == ran and self.cfg.reward.on_failure != "fixed":
             steps = f"the {ran} steps of this run" if not self.start_step else \
                 f"the {ran} steps since resuming at step {self.start_step}"
             why = f"it ended before reward.max_failed_steps={limit} could stop it" if ran < limit else \

@@ -292,7 +292,7 @@ class RayEngine:
         return states[0]
 
     def close(self) -> None:
-        stream = self.stream is not None
+        stream = getattr(self, "stream", None) is not None  # None too when the start failed before it was set
         if stream:  # nothing more is generated or scored; the hosts close beside any call still running
             self.stream.cancel()
         try:
