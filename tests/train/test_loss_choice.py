@@ -40,6 +40,6 @@ def test_the_actor_trains_with_the_configured_loss(tmp_path, monkeypatch):
     assert all(opts["topr_split"] == "reward" for name, opts, _ in calls)
     # Step 1 is the same rollout in both runs (same seed, same initial weights), trained in one step (r = 1):
     # ppo_clip's loss is then −mean(A), 0 for group-normalised advantages; topr's is −mean(w·A·log π), which is
-    # not, since log π differs between the images of a group.
+    # not, since log π differs between the images of a group (measured: ppo_clip 1.3e-6, topr 1.8e-4).
     assert abs(policy["ppo_clip"]) < 1e-5
-    assert abs(policy["topr"]) > 1e-3, policy
+    assert abs(policy["topr"]) > 5e-5 and abs(policy["topr"]) > 20 * abs(policy["ppo_clip"]), policy
