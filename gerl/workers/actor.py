@@ -30,18 +30,8 @@ class EMA:
         for s, p in zip(self.shadow, self.params):
             s.lerp_(p.detach(), 1 - self.decay)
 
-    @contextmanager
     def swapped(self):
-        backup = [p.detach().clone() for p in self.params]
-        with torch.no_grad():
-            for p, s in zip(self.params, self.shadow):
-                p.copy_(s)
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for p, b in zip(self.params, backup):
-                    p.copy_(b)
+        return swapped_in(self.params, self.shadow)
 
 
 def compute_dtype(transformer) -> torch.dtype:
@@ -50,6 +40,21 @@ def compute_dtype(transformer) -> torch.dtype:
     params = list(transformer.parameters())
     frozen = [p for p in params if not p.requires_grad and p.is_floating_point()]
     return (frozen or params)[0].dtype
+
+
+@contextmanager
+def swapped_in(params: list, tensors: list):
+    """`params` hold `tensors`' values inside the block and their own again after it."""
+    backup = [p.detach().clone() for p in params]
+    with torch.no_grad():
+        for p, s in zip(params, tensors):
+            p.copy_(s)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, b in zip(params, backup):
+                p.copy_(b)
 
 
 def lr_lambda(schedule: str, warmup: int, total: int):
@@ -106,6 +111,14 @@ class ActorWorker:
         # nft/awm: the anchor ("old" policy), a slow copy of the trained tensors (gerl/algo/matching.py anchor_decay)
         self.anchor = [p.detach().clone() for p in self.params] if self.algo.name != "flow_grpo" else None
 
+    def mini_batches(self, B: int, step: int, epoch: int) -> list[torch.Tensor]:
+        """The sample indices of each optimizer step of this inner epoch: slices of a permutation seeded by (seed,
+        step, epoch) — the same on every rank and after a resume — or, with train.shuffle_mini_batches=false (GeRL's
+        data.split), consecutive slices in rollout order."""
+        perm = (torch.randperm(B, generator=torch.Generator().manual_seed(self.seed * 104_729 + step * 31 + epoch))
+                if self.cfg.shuffle_mini_batches else torch.arange(B))
+        return [perm[m0:m0 + self.mini] for m0 in range(0, B, self.mini)]
+
     @contextmanager
     def anchor_swapped(self):
         """The trained tensors temporarily replaced by the anchor's (nft's v_old, awm's anchor term, nft sampling);
@@ -113,16 +126,8 @@ class ActorWorker:
         if self.anchor is None:
             yield
             return
-        backup = [p.detach().clone() for p in self.params]
-        with torch.no_grad():
-            for p, a in zip(self.params, self.anchor):
-                p.copy_(a)
-        try:
+        with swapped_in(self.params, self.anchor):
             yield
-        finally:
-            with torch.no_grad():
-                for p, b in zip(self.params, backup):
-                    p.copy_(b)
 
     @torch.no_grad()
     def _advance_anchor(self) -> float:
@@ -252,11 +257,7 @@ class ActorWorker:
         grad_norms = []
         self.transformer.train()
         for epoch in range(cfg.inner_epochs):
-            # train.shuffle_mini_batches: Flow-GRPO shuffles the samples first; GeRL splits them in order (data.split)
-            perm = (torch.randperm(B, generator=torch.Generator().manual_seed(self.seed * 104_729 + step * 31 + epoch))
-                    if cfg.shuffle_mini_batches else torch.arange(B))
-            for m0 in range(0, B, self.mini):
-                mini = perm[m0:m0 + self.mini]
+            for mini in self.mini_batches(B, step, epoch):
                 self.optimizer.zero_grad(set_to_none=True)
                 n_micro = math.ceil(len(mini) / cfg.micro_batch_size)
                 finite = True

@@ -54,11 +54,7 @@ def matching_update(actor, batch, advantages: torch.Tensor, step: int) -> dict:
     grad_norms: list[float] = []
     actor.transformer.train()
     for epoch in range(cfg.inner_epochs):
-        # train.shuffle_mini_batches: Flow-GRPO shuffles the samples first; GeRL splits them in order (data.split)
-        perm = (torch.randperm(B, generator=torch.Generator().manual_seed(actor.seed * 104_729 + step * 31 + epoch))
-                if cfg.shuffle_mini_batches else torch.arange(B))
-        for m0 in range(0, B, actor.mini):
-            mini = perm[m0:m0 + actor.mini]
+        for mini in actor.mini_batches(B, step, epoch):
             actor.optimizer.zero_grad(set_to_none=True)
             n_micro = math.ceil(len(mini) / cfg.micro_batch_size)
             finite = True
