@@ -73,10 +73,12 @@ class RayEngine:
                 except ConnectionError as e:
                     raise UserError(f"engine.ray_address={g.ray_address}: no Ray cluster there ({str(e).splitlines()[0][:160]}); "
                                     "start one with `ray start --head`, or set engine.ray_address= to start a local Ray") from None
+            # address="local": a new Ray of our own, never a cluster someone started here with `ray start`
+            # (ray.init() alone joins it, and then refuses num_cpus); engine.ray_address is how to join one.
             elif g.rehearse:  # declare what the GPU layout asks for; the hosts then run on this machine's CPUs
-                ray.init(**resources.rehearsal_init_args(cfg), **kwargs)
+                ray.init(address="local", **resources.rehearsal_init_args(cfg), **kwargs)
             else:
-                ray.init(num_cpus=os.cpu_count(), **kwargs)
+                ray.init(address="local", num_cpus=os.cpu_count(), **kwargs)
         try:
             self._start(cfg)
         except BaseException:

@@ -129,7 +129,7 @@ class _RayPool:
 
         if not ray.is_initialized():
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-            ray.init(num_cpus=os.cpu_count(), include_dashboard=False)
+            ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False)  # our own, never a `ray start` one
         self.ray, self.fn = ray, fn
         self.cls = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(RayRewardWorker)
         self.replicas = [self.cls.remote(fn) for _ in range(workers)]

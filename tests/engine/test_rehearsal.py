@@ -68,7 +68,7 @@ def declared_gpus():
     """One Ray for the launchers: 8 declared GPUs and the 4 CPUs each GPU host reserves (the largest launcher's
     needs), on this machine's real cores."""
     os.environ["RAY_AUTH_MODE"] = "disabled"
-    ray.init(num_cpus=32, num_gpus=8, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=32, num_gpus=8, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

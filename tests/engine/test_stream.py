@@ -106,15 +106,31 @@ def test_stream_bounds_staleness_stages_weights_and_resumes(tmp_path):
 
 def test_downweighted_stale_groups_keep_their_advantage_times_the_decay(tmp_path):
     """stale=downweight: the straggler is kept (nothing dropped) and its advantages are scaled by
-    stale_decay^(lag − max_staleness); checked on the stream's own assembly of a step's groups."""
+    stale_decay^(lag − max_staleness); checked on the stream's own assembly of a step's groups. And the run issues
+    no group that its last steps cannot take: nothing is generated or scored past max_steps."""
     from types import SimpleNamespace
 
     from gerl.engine.stream import GroupStream
     from gerl.workers.batch import RolloutBatch
 
-    rows = _run(tmp_path, "max_steps=5", *STREAM, "engine.stale=downweight", "engine.stale_decay=0.5")
+    from gerl.trainer import Trainer, prepare
+
+    cfg = small_config(tmp_path, *DECOUPLED, "max_steps=5", *STREAM, "engine.stale=downweight", "engine.stale_decay=0.5")
+    trainer = Trainer(cfg, prepare(cfg))
+    end = {}
+    real_close = trainer.engine.close
+
+    def close():  # what the stream had issued and still had open when the run ended
+        end.update(issued=trainer.engine.stream.next_group, open=trainer.engine.stream.cancel())
+        real_close()
+
+    trainer.engine.close = close
+    trainer.fit()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     lags = [lag for r in rows for lag in r["policy_lags"]]
     assert rows[-1]["stale_groups_dropped_total"] == 0 and max(lags) > 1, "the straggler was kept, stale"
+    # nothing generated beyond max_steps: exactly the 5 steps × P = 2 groups trained were issued, none left open
+    assert end == {"issued": 10, "open": 0}
 
     def unit(version):
         b = RolloutBatch(prompts=["p"] * 2, metadata=[{}] * 2, group_ids=torch.zeros(2, dtype=torch.long),

@@ -191,7 +191,7 @@ def test_ray_replica_scores_like_in_process(clip_dir, head_path, images):
     os.environ["RAY_AUTH_MODE"] = "disabled"
     reward = build_reward("aesthetic", kwargs_for("aesthetic", clip_dir, head_path))
     expected = call_reward(reward, images, PROMPTS, [{}] * 5)[0]
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         ex = RewardExecutor(reward, "ray", workers=1, timeout_s=120, retries=0, num_cpus=1)
         r = ex.result(ex.submit(images, PROMPTS, [{}] * 5))

@@ -80,7 +80,7 @@ def _expected_faults(cfg, steps):
 
 def test_training_survives_injected_faults_and_counts_them(tmp_path):
     cfg = small_config(tmp_path, "max_steps=4", "data.prompts_per_step=4", "reward.name=tests.workers.faulty:flaky",
-                       "reward.kwargs={hang_s: 1.5}", "reward.timeout_s=0.3", "reward.retries=1",
+                       "reward.kwargs={hang_s: 2.5}", "reward.timeout_s=1.0", "reward.retries=1",
                        "reward.retry_backoff_s=0.01", "reward.workers=2", "train.mini_batch_size=16",
                        "sampling.micro_batch_size=4")
     faulty._ATTEMPTS.clear()
@@ -108,7 +108,7 @@ def test_abort_policy_stops_with_a_clear_message(tmp_path):
     from gerl.errors import RunAborted
 
     cfg = small_config(tmp_path, "max_steps=3", "data.prompts_per_step=4", "reward.name=tests.workers.faulty:flaky",
-                       "reward.timeout_s=0.3", "reward.retries=0", "reward.on_failure=abort",
+                       "reward.timeout_s=1.0", "reward.retries=0", "reward.on_failure=abort",
                        "train.mini_batch_size=16", "sampling.micro_batch_size=4")
     with pytest.raises(RunAborted, match="reward.on_failure=abort"):
         train(cfg)
@@ -116,7 +116,7 @@ def test_abort_policy_stops_with_a_clear_message(tmp_path):
 
 def test_fixed_policy_assigns_the_failure_score(tmp_path):
     cfg = small_config(tmp_path, "max_steps=1", "data.prompts_per_step=4", "reward.name=tests.workers.faulty:flaky",
-                       "reward.timeout_s=0.3", "reward.retries=0", "reward.on_failure=fixed",
+                       "reward.timeout_s=1.0", "reward.retries=0", "reward.on_failure=fixed",
                        "reward.failure_score=-100", "train.mini_batch_size=16", "sampling.micro_batch_size=4")
     faulty._ATTEMPTS.clear()
     train(cfg)
