@@ -16,12 +16,21 @@ import torch
 torch.set_num_threads(1)
 
 
+# The slow tier (marker `slow`): real Ray clusters, real servers, end-to-end runs of the CLI and benchmarks, the
+# learning test and the real-width fp16 check — each above ~10 s on 2 cores. CI runs every tier; while working,
+# `bash scripts/test.sh -m "not slow"` runs the rest in about a minute.
+SLOW = ("tests/engine/", "tests/train/test_learning.py", "tests/train/test_interrupt.py", "tests/train/test_faults.py",
+        "tests/scripts/", "tests/rewards/test_vlm.py", "tests/test_plan.py::test_cli_", "tests/logging/test_metrics.py")
+
+
 def pytest_collection_modifyitems(config, items):
     """scripts/test.sh runs the suite in 2 processes (pytest-xdist, --dist loadgroup). The Ray tests start 2-CPU
     clusters of pinned workers: they run one after another in one process (group "ray"), beside the rest."""
     for item in items:
         if item.nodeid.startswith("tests/engine/") or "ray_cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("ray"))
+        if item.nodeid.startswith(SLOW):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")
