@@ -24,11 +24,11 @@ SLOW = ("tests/engine/", "tests/train/test_learning.py", "tests/train/test_inter
 
 
 def pytest_collection_modifyitems(config, items):
-    """scripts/test.sh runs the suite in 2 processes (pytest-xdist, --dist loadgroup). A module of Ray tests stays
-    in one process (its tests share a module-scoped cluster); two modules may run side by side, each Ray its own."""
+    """scripts/test.sh runs the suite in 2 processes (pytest-xdist, --dist loadgroup). The Ray tests start 2-CPU
+    clusters of pinned workers: they run one after another in one process (group "ray"), beside the rest."""
     for item in items:
         if item.nodeid.startswith("tests/engine/") or "ray_cluster" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+            item.add_marker(pytest.mark.xdist_group("ray"))
         if item.nodeid.startswith(SLOW):
             item.add_marker(pytest.mark.slow)
 
