@@ -217,3 +217,27 @@ def test_fractional_gpu_hosts_are_accepted_and_fp16_full_fine_tuning_is_not():
     load_config(None, ["model.dtype=bf16", "model.lora=false"])
     with pytest.raises(UserError, match="engine.rehearse=true rehearses a GPU layout on CPU; it needs engine.device=cuda"):
         load_config(None, ["engine.rehearse=true", "engine.device=cpu"])
+
+
+def test_every_recipe_validates_without_importing_torch():
+    """A config is read and checked before any heavy import (gerl/cli.py): a bad one fails, and --print-config
+    answers, in milliseconds. In a fresh interpreter (this one has torch loaded): every shipped recipe, one loss per
+    registered name, and the error path, with none of torch, numpy, diffusers or transformers imported."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from gerl.config import load_config\n"
+            "from gerl.errors import UserError\n"
+            f"for r in {[str(p) for p in RECIPES]!r}:\n"
+            "    load_config(r, ['output_dir=/tmp/unused'])\n"
+            "for loss in ('ppo_clip', 'tis', 'topr', 'cispo'):\n"
+            "    load_config(None, [f'train.loss={loss}'])\n"
+            "try:\n"
+            "    load_config(None, ['train.loss=ppo'])\n"
+            "except UserError as e:\n"
+            "    assert 'not a registered policy loss' in str(e), e\n"
+            "print(sorted(m for m in ('torch', 'numpy', 'diffusers', 'transformers') if m in sys.modules))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "[]", f"validating a config imported {r.stdout.strip()}"

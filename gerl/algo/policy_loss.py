@@ -53,7 +53,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-import torch
+# Tensor methods only, no `import torch`: gerl.config checks train.loss against this registry, and a config must
+# validate in milliseconds, before any heavy import (tests/test_config.py checks that no torch is loaded).
 
 POLICY_LOSSES: dict[str, Callable] = {}
 TOPR_SPLITS = ("advantage", "reward")
@@ -76,18 +77,18 @@ def get_policy_loss(name: str) -> Callable:
 @register("ppo_clip")
 def ppo_clip(log_prob, old_log_prob, advantages, rewards=None, *, clip_range, ratio_cap=0.0, **_):
     """max(−A·r, −A·clip(r, 1 − ε, 1 + ε)); r first truncated at ratio_cap when > 0 (dual clip, stale batches)."""
-    ratio = torch.exp(log_prob - old_log_prob)
+    ratio = (log_prob - old_log_prob).exp()
     if ratio_cap > 0:
-        ratio = torch.clamp(ratio, max=ratio_cap)
-    loss = torch.maximum(-advantages * ratio, -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range))
+        ratio = ratio.clamp(max=ratio_cap)
+    loss = (-advantages * ratio).maximum(-advantages * ratio.clamp(1.0 - clip_range, 1.0 + clip_range))
     return loss, (ratio.detach() - 1.0).abs() > clip_range
 
 
 @register("tis")
 def tis(log_prob, old_log_prob, advantages, rewards=None, *, is_cap, **_):
     """−sg(min(r, is_cap))·A·log π: truncated importance sampling."""
-    ratio = torch.exp(log_prob - old_log_prob).detach()
-    return -torch.clamp(ratio, max=is_cap) * advantages * log_prob, ratio > is_cap
+    ratio = (log_prob - old_log_prob).exp().detach()
+    return -ratio.clamp(max=is_cap) * advantages * log_prob, ratio > is_cap
 
 
 @register("topr")
@@ -102,8 +103,8 @@ def topr(log_prob, old_log_prob, advantages, rewards=None, *, topr_split, **_):
         negative = rewards <= 0
     else:
         raise ValueError(f"topr_split={topr_split!r}; choose one of {', '.join(TOPR_SPLITS)}")
-    ratio = torch.exp(log_prob - old_log_prob).detach()
-    weight = torch.where(negative, torch.clamp(ratio, max=1.0), torch.ones_like(ratio))
+    ratio = (log_prob - old_log_prob).exp().detach()
+    weight = ratio.clamp(max=1.0).where(negative, 1.0)  # min(r, 1) where negative, else 1
     return -weight * advantages * log_prob, negative & (ratio > 1.0)
 
 
@@ -112,5 +113,5 @@ def cispo(log_prob, old_log_prob, advantages, rewards=None, *, clip_range, cispo
     """−sg(clip(r, 1 − ε_low, 1 + ε_high))·A·log π, ε_low / ε_high = 0 meaning clip_range: the weight is clipped,
     the gradient never is."""
     lo, hi = 1.0 - (cispo_eps_low or clip_range), 1.0 + (cispo_eps_high or clip_range)
-    ratio = torch.exp(log_prob - old_log_prob).detach()
-    return -torch.clamp(ratio, lo, hi) * advantages * log_prob, (ratio < lo) | (ratio > hi)
+    ratio = (log_prob - old_log_prob).exp().detach()
+    return -ratio.clamp(lo, hi) * advantages * log_prob, (ratio < lo) | (ratio > hi)
