@@ -68,12 +68,13 @@ def prepare(cfg: Config) -> Prepared:
     if cfg.data.prompts_per_step > len(train):
         raise UserError(f"data.prompts_per_step={cfg.data.prompts_per_step} exceeds the {len(train)} prompts in "
                         f"{cfg.data.train_prompts}; lower it or add prompts")
-    everything = train + test
-    reward_fns = []
-    for comp in reward_components(cfg.reward):
-        fn = build_reward(comp.name, comp.kwargs)
-        validate_reward_inputs(fn, [p.text for p in everything], [p.metadata for p in everything])
-        reward_fns.append(fn)
+    # the cheap checks first: a bad path fails before a reward model or a library loads
+    _check_output_dir(cfg)
+    resume_from = find_resume_checkpoint(Path(cfg.output_dir), cfg.resume)
+    if resume_from is not None:  # a damaged line inside the logs fails here, before config.yaml is rewritten
+        for log in ("metrics.jsonl", "timeline.jsonl"):
+            read_jsonl(Path(cfg.output_dir) / log)
+    _check_resume(cfg, resume_from)
     if cfg.model.init_lora:
         lora_file(cfg.model.init_lora)
     if cfg.log.wandb:
@@ -81,15 +82,15 @@ def prepare(cfg: Config) -> Prepared:
 
         if importlib.util.find_spec("wandb") is None:
             raise UserError("log.wandb=true needs wandb: pip install 'gerl[wandb]' (or set log.wandb=false)")
+    everything = train + test
+    reward_fns = []
+    for comp in reward_components(cfg.reward):
+        fn = build_reward(comp.name, comp.kwargs)
+        validate_reward_inputs(fn, [p.text for p in everything], [p.metadata for p in everything])
+        reward_fns.append(fn)
     from gerl.plan.arch import check_resolution
 
     check_resolution(cfg.model.path, cfg.model.resolution, f"model.resolution={cfg.model.resolution}", cfg.model.tiny_seed)
-    _check_output_dir(cfg)
-    resume_from = find_resume_checkpoint(Path(cfg.output_dir), cfg.resume)
-    if resume_from is not None:  # a damaged line inside the logs fails here, before config.yaml is rewritten
-        for log in ("metrics.jsonl", "timeline.jsonl"):
-            read_jsonl(Path(cfg.output_dir) / log)
-    _check_resume(cfg, resume_from)
     pipe = None
     if cfg.engine.kind == "local":
         from gerl.engine.roles import build_pipeline

@@ -68,6 +68,9 @@ def load_pipeline(path: str, dtype: str = "fp32", device: str = "auto", tiny_see
     force_upcast, and both Flow-GRPO and GeRL keep it there: in fp16 its decoder overflows)."""
     from diffusers import StableDiffusion3Pipeline
 
+    from gerl.logging.quiet import quiet_imported
+
+    quiet_imported()  # its loading bar off, when this process asked for quiet (gerl's CLI and hosts do)
     if dtype not in DTYPES:
         raise UserError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     path = resolve_model_path(path)
