@@ -100,7 +100,8 @@ class Host:
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "device": device,
                 "device_name": torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu",
                 "dtype": self.cfg.model.dtype, "backends": backends if self.world > 1 else None,
-                "rank": self.rank if self.world > 1 else None, "torch_threads": torch.get_num_threads()}
+                "rank": self.rank if self.world > 1 else None, "torch_threads": torch.get_num_threads(),
+                "nice": os.nice(0)}
 
     def _grad_sync(self, params, loss_ok: bool, grads_ok: bool) -> tuple[bool, bool]:
         """Average gradients over the data-parallel ranks. The flags (was this rank's loss finite, were its

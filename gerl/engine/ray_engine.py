@@ -62,7 +62,7 @@ class RayEngine:
         # no raylet, GCS or worker processes outlive the driver. A Ray the caller started is left alone.
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
-            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+            resources.own_ray_env()
             # Workers import gerl, rewards and user reward modules from the driver's working directory.
             os.environ["PYTHONPATH"] = os.pathsep.join([os.getcwd(), *sys.path[1:3], os.environ.get("PYTHONPATH", "")])
             kwargs = {"include_dashboard": False, "log_to_driver": True}

@@ -128,7 +128,9 @@ class _RayPool:
         import ray
 
         if not ray.is_initialized():
-            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+            from gerl.engine.resources import own_ray_env
+
+            own_ray_env()
             ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False)  # our own, never a `ray start` one
         self.ray, self.fn = ray, fn
         self.cls = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(RayRewardWorker)

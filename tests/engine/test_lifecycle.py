@@ -12,6 +12,7 @@ import pytest
 ray = pytest.importorskip("ray")
 psutil = pytest.importorskip("psutil")
 
+from gerl.engine.resources import own_ray_env  # noqa: E402
 from gerl.errors import UserError  # noqa: E402
 from gerl.trainer import train  # noqa: E402
 from tests.train.helpers import REPO, SMALL_CLI, small_config  # noqa: E402
@@ -23,7 +24,7 @@ RAY = ["engine.kind=ray", "engine.device=cpu", "engine.cpus_per_worker=1"]
 def no_ray_running():
     if ray.is_initialized():
         pytest.skip("needs a process without Ray: the run must start its own")
-    os.environ["RAY_AUTH_MODE"] = "disabled"
+    own_ray_env()
     yield
     if ray.is_initialized():  # the test failed: do not leak Ray into the rest of the session
         ray.shutdown()
@@ -43,7 +44,10 @@ def _alive(procs):
 
 def test_sigterm_to_the_driver_leaves_no_ray_process_behind(tmp_path):
     run = tmp_path / "run"
-    env = dict(os.environ, PYTHONPATH=str(REPO), RAY_AUTH_MODE="disabled")
+    # without the worker niceness set here (the fixture's own_ray_env sets it in this process): the run's own Ray
+    # must set it itself
+    env = {k: v for k, v in dict(os.environ, PYTHONPATH=str(REPO), RAY_AUTH_MODE="disabled").items()
+           if k != "RAY_worker_niceness"}
     proc = subprocess.Popen([sys.executable, "-m", "gerl.cli", "train", *SMALL_CLI, *RAY, f"output_dir={run}",
                              "max_steps=30"], stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
                             start_new_session=True)
@@ -56,6 +60,9 @@ def test_sigterm_to_the_driver_leaves_no_ray_process_behind(tmp_path):
             time.sleep(0.5)
         ray_procs = psutil.Process(proc.pid).children(recursive=True)
         assert any(p.name() == "raylet" for p in ray_procs), [p.name() for p in ray_procs]
+        hosts = [p for p in ray_procs if p.name().startswith("ray::Host")]
+        # the hosts run at the normal priority, not Ray's default niceness of 15 (gerl.engine.resources)
+        assert hosts and all(p.nice() == 0 for p in hosts), [(p.name(), p.nice()) for p in ray_procs]
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=300)
         assert proc.returncode == 130, err[-2000:]

@@ -188,7 +188,9 @@ def test_process_pool_scores_like_in_process(clip_dir, head_path, images):
 
 def test_ray_replica_scores_like_in_process(clip_dir, head_path, images):
     ray = pytest.importorskip("ray")  # a dev dependency
-    os.environ["RAY_AUTH_MODE"] = "disabled"
+    from gerl.engine.resources import own_ray_env
+
+    own_ray_env()
     reward = build_reward("aesthetic", kwargs_for("aesthetic", clip_dir, head_path))
     expected = call_reward(reward, images, PROMPTS, [{}] * 5)[0]
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
