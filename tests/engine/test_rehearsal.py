@@ -17,12 +17,17 @@ ray = pytest.importorskip("ray")
 
 from gerl.config import load_config  # noqa: E402
 from gerl.engine import dist as gdist  # noqa: E402
+from gerl.engine.resources import own_ray_env  # noqa: E402
 from gerl.trainer import train  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "assets" / "ocr_mini"
 LAUNCHERS = ["run_sd3_fast_1p_with_reward.sh", "run_sd3_fast_3p_a1_r2.sh", "run_sd3_fast_3p_a2_r1.sh",
              "run_sd3_fast_3p_hybrid.sh", "run_sd3_fast_8p_hybrid_with_reward.sh"]
+# The two decoupled launchers are rehearsed across two Ray nodes (tests/engine/test_rehearsal_two_nodes.py), with
+# the same checks (check_rehearsal) and the cross-node ones; the other three here, on one node.
+DECOUPLED = ["run_sd3_fast_3p_a1_r2.sh", "run_sd3_fast_3p_a2_r1.sh"]
+ONE_NODE = [name for name in LAUNCHERS if name not in DECOUPLED]
 QUIET = ["log.progress_bar=false", "log.tensorboard=false", "log.images_every=0"]
 
 
@@ -67,17 +72,17 @@ def rehearse(launcher: str, out: Path, *extra: str) -> None:
 def declared_gpus():
     """One Ray for the launchers: 8 declared GPUs and the 4 CPUs each GPU host reserves (the largest launcher's
     needs), on this machine's real cores."""
-    os.environ["RAY_AUTH_MODE"] = "disabled"
+    own_ray_env()
     ray.init(address="local", num_cpus=32, num_gpus=8, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
 
-@pytest.mark.parametrize("launcher", LAUNCHERS)
-def test_every_launcher_rehearses_its_gpu_layout(launcher, tmp_path, declared_gpus, capfd):
-    out = tmp_path / "run"
-    rehearse(launcher, out)
-    assert "gerl: rehearsal of the GPU layout on CPU" in capfd.readouterr().err
+def check_rehearsal(launcher: str, out: Path, stderr: str) -> list[dict]:
+    """What every launcher's rehearsal must show: its layout, fp16 with GeRL's loss scaling, a real first update on
+    the rollout's own log-probs, each host on its own declared GPU (per node) with the GPU backend map. Returns the
+    hosts' placement records ([] for the local engine)."""
+    assert "gerl: rehearsal of the GPU layout on CPU" in stderr
     want, ran = launcher_config(launcher), yaml.safe_load((out / "config.yaml").read_text())
     layout = ("kind", "hybrid", "actor_workers", "rollout_workers", "schedule", "max_staleness", "gpus_per_worker")
     assert {k: ran["engine"][k] for k in layout} == {k: want["engine"][k] for k in layout}
@@ -88,16 +93,26 @@ def test_every_launcher_rehearses_its_gpu_layout(launcher, tmp_path, declared_gp
     assert first["loss_scale"] == 2.0**24 and first["overflow_updates_skipped"] == 0  # fp16: GeRL's loss scaling
     g = want["engine"]
     if g["kind"] == "local":
-        return
+        return []
     hosts = json.loads((out / "placement.json").read_text())
     n = g["actor_workers"] if g["hybrid"] else g["actor_workers"] + g["rollout_workers"]
     assert len(hosts) == n and "peak_mem_gib" in first and first["actor_peak_mem_gib"] > 0
-    gpus = [h["gpu_ids"] for h in hosts]
-    assert all(len(ids) == 1 for ids in gpus) and len({ids[0] for ids in gpus}) == n, "each host on its own GPU"
+    assert all(len(h["gpu_ids"]) == 1 for h in hosts)
+    assert len({(h["node"], h["gpu_ids"][0]) for h in hosts}) == n, "each host on its own GPU"
     assert all(h["cuda_visible_devices"] == h["gpu_ids"][0] and h["device"] == "cpu" and h["dtype"] == "fp16"
                for h in hosts)
+    assert all(h["nice"] == 0 for h in hosts), "hosts at the normal priority (gerl.engine.resources.own_ray_env)"
     for h in hosts:  # data-parallel actors share a process group with the GPU map, NCCL played by gloo
         assert h["backends"] == ("cpu:gloo,cuda:gloo" if g["actor_workers"] > 1 and "actor" in h["roles"] else None)
+    return hosts
+
+
+@pytest.mark.parametrize("launcher", ONE_NODE)
+def test_every_launcher_rehearses_its_gpu_layout(launcher, tmp_path, declared_gpus, capfd):
+    out = tmp_path / "run"
+    rehearse(launcher, out)
+    hosts = check_rehearsal(launcher, out, capfd.readouterr().err)
+    assert len({h["node"] for h in hosts}) <= 1
 
 
 def test_the_launchers_own_command_with_the_tiny_model(tmp_path):

@@ -1,14 +1,13 @@
-"""engine.rehearse=true across two Ray nodes in one machine (ray.cluster_utils.Cluster): cross-node placement, the
-data-parallel process group and the weight sync of the decoupled launchers, on declared GPUs."""
-
-import json
-import os
+"""engine.rehearse=true across two Ray nodes in one machine (ray.cluster_utils.Cluster): the decoupled launchers'
+rehearsal (every check of tests/engine/test_rehearsal.py) with cross-node placement, the data-parallel process
+group and the weight sync, on declared GPUs."""
 
 import pytest
 
 ray = pytest.importorskip("ray")
 
-from tests.engine.test_rehearsal import rehearse, rows  # noqa: E402
+from gerl.engine.resources import own_ray_env  # noqa: E402
+from tests.engine.test_rehearsal import DECOUPLED, check_rehearsal, rehearse, rows  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -16,7 +15,7 @@ def two_nodes():
     """Two Ray nodes on this machine: the head with 1 declared GPU, a second node with 2."""
     from ray.cluster_utils import Cluster
 
-    os.environ["RAY_AUTH_MODE"] = "disabled"
+    own_ray_env()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "num_gpus": 1})
     cluster.add_node(num_cpus=8, num_gpus=2)
     ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
@@ -25,10 +24,10 @@ def two_nodes():
     cluster.shutdown()
 
 
-@pytest.mark.parametrize("launcher", ["run_sd3_fast_3p_a1_r2.sh", "run_sd3_fast_3p_a2_r1.sh"])
-def test_two_node_rehearsal(launcher, tmp_path, two_nodes):
+@pytest.mark.parametrize("launcher", DECOUPLED)
+def test_two_node_rehearsal(launcher, tmp_path, two_nodes, capfd):
     rehearse(launcher, tmp_path)
-    hosts = json.loads((tmp_path / "placement.json").read_text())
+    hosts = check_rehearsal(launcher, tmp_path, capfd.readouterr().err)
     nodes = {h["host"]: h["node"] for h in hosts}
     assert len(set(nodes.values())) == 2, f"the hosts span both nodes: {nodes}"
     gpu_ids = [(h["node"], h["gpu_ids"][0]) for h in hosts]
