@@ -7,12 +7,18 @@ work on `copy.deepcopy(tiny_pipe.transformer)` — use the `lora_transformer` fa
 from __future__ import annotations
 
 import copy
-
-import pytest
-import torch
+import os
 
 # The tiny model's ops are too small to gain from intra-op threads, and on a shared 2-core box two threads per
-# process make the suite several times slower (Ray tests pin their own workers to one core each).
+# process make the suite several times slower: one thread here, and (through the environment, before torch is
+# imported) in every process a test starts — CLI runs, benchmarks, Ray workers. OpenMP threads spin while they wait,
+# so 2-thread subprocesses beside the other test process burned CPU for nothing (measured: the suite took 10:20
+# without this and 9:39 with it, same machine). A test that wants more threads sets them itself.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
 torch.set_num_threads(1)
 
 
@@ -23,12 +29,23 @@ SLOW = ("tests/engine/", "tests/train/test_learning.py", "tests/train/test_inter
         "tests/scripts/", "tests/rewards/test_vlm.py", "tests/test_plan.py::test_cli_", "tests/logging/test_metrics.py")
 
 
+# Started first, in this order: the longest modules, so that neither process is left alone with one of them at the
+# end. Measured on 2 cores: the learning test ~135 s (two training processes), the Ray modules 45–120 s each, the
+# real-width fp16 and launcher checks ~65 s together.
+FIRST = ("tests/train/test_learning.py", "tests/engine/test_ray_engine.py", "tests/engine/test_stream.py",
+         "tests/engine/test_rehearsal.py", "tests/scripts/test_bench_gpu.py", "tests/engine/test_algorithms.py",
+         "tests/engine/test_rehearsal_two_nodes.py")
+
+
 def pytest_collection_modifyitems(config, items):
-    """scripts/test.sh runs the suite in 2 processes (pytest-xdist, --dist loadgroup). The Ray tests start 2-CPU
-    clusters of pinned workers: they run one after another in one process (group "ray"), beside the rest."""
+    """scripts/test.sh runs the suite in 2 processes, a module at a time each (pytest-xdist --dist loadfile
+    --no-loadscope-reorder): a module's tests share its module-scoped fixtures (a Ray cluster starts once per
+    module); two modules run side by side, each Ray its own."""
+    def module(item) -> str:
+        return item.nodeid.split("::")[0]
+
+    items.sort(key=lambda item: FIRST.index(module(item)) if module(item) in FIRST else len(FIRST))  # stable
     for item in items:
-        if item.nodeid.startswith("tests/engine/") or "ray_cluster" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.xdist_group("ray"))
         if item.nodeid.startswith(SLOW):
             item.add_marker(pytest.mark.slow)
 
