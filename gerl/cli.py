@@ -149,9 +149,14 @@ def _resolve_settings(args) -> None:
             raise UserError(f"--{dest.replace('_', '-')} {value} must be {rng.text()}" + (f" ({rng.why})" if rng.why else ""))
     if args.resolution % 16:
         raise UserError(f"--resolution {args.resolution} must be a multiple of 16")
+
+
+def _check_resolution(args) -> None:
+    """--resolution against what the model can generate: reads its configs (imports diffusers and transformers, and
+    builds the tiny model), so it comes after the checks that need none of that."""
     from gerl.plan.arch import check_resolution
 
-    quiet_libraries()  # reading the model's configs imports diffusers and transformers
+    quiet_libraries()
     check_resolution(args.model, args.resolution, f"--resolution {args.resolution}", args.tiny_seed or 0)
 
 
@@ -236,6 +241,7 @@ def cmd_sample(args) -> int:
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file; pass a directory")
     check_writable(out, f"--out {out}")
+    _check_resolution(args)
     worker = _pipeline_for(args)
     prompts = [t for t in texts for _ in range(args.n)]
     images = worker.sample_images(prompts, args.seed, args.num_steps, args.guidance)
@@ -296,6 +302,7 @@ def cmd_eval(args) -> int:
         check_writable(Path(args.out).parent, f"--out {args.out}")
     fn = build_reward(args.reward, kwargs)
     validate_reward_inputs(fn, texts, meta)
+    _check_resolution(args)
     sampler = (f"{args.num_steps} ODE steps, guidance {args.guidance:g}, {args.resolution} px, "
                f"{args.max_sequence_length} T5 tokens, noise seed {args.seed}, {k} image(s) per prompt")
     print(f"gerl: eval sampler: {sampler}" + (" — the same for the base and the LoRA" if args.with_base else ""),
