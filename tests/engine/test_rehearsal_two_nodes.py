@@ -28,14 +28,11 @@ def two_nodes():
 def test_two_node_rehearsal(launcher, tmp_path, two_nodes, capfd):
     rehearse(launcher, tmp_path)
     hosts = check_rehearsal(launcher, tmp_path, capfd.readouterr().err)
+    # check_rehearsal: each host on its own (node, GPU), the data-parallel group's backend map, a real first update
     nodes = {h["host"]: h["node"] for h in hosts}
     assert len(set(nodes.values())) == 2, f"the hosts span both nodes: {nodes}"
-    gpu_ids = [(h["node"], h["gpu_ids"][0]) for h in hosts]
-    assert len(set(gpu_ids)) == 3, "three hosts on three distinct GPUs"
-    r = rows(tmp_path)
-    assert r[1]["grad_norm"] > 0 and r[2]["policy_lag"] == 1
-    actors = [h for h in hosts if "actor" in h["roles"]]
-    if len(actors) == 2:  # a data-parallel group; Ray may place both ranks on one node or one on each (both seen)
-        assert actors[0]["backends"] == actors[1]["backends"] == "cpu:gloo,cuda:gloo"
-    else:  # the actor's weights reached a rollout on the other node (policy_lag 1 means step 2 trained on them)
+    assert rows(tmp_path)[2]["policy_lag"] == 1
+    if sum("actor" in h["roles"] for h in hosts) == 1:
+        # the actor's weights reached a rollout on the other node (policy_lag 1 means step 2 trained on them); two
+        # data-parallel actors may share a node or not (Ray has done both)
         assert any(nodes[h] != nodes["actor0"] for h in ("rollout0", "rollout1"))
