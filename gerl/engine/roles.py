@@ -64,7 +64,7 @@ def build_pipeline(cfg: Config, device: str | None = None, roles: tuple[str, ...
                     p.requires_grad_(True)
         else:
             add_lora(pipe.transformer, cfg.model.lora_rank, cfg.model.lora_alpha, cfg.model.lora_targets,
-                     cfg.model.lora_init)
+                     cfg.model.lora_init, seed=cfg.seed)  # every rank the same adapter, every run of a seed the same
     return pipe
 
 

@@ -107,9 +107,15 @@ def load_pipeline(path: str, dtype: str = "fp32", device: str = "auto", tiny_see
     return pipe
 
 
-def add_lora(transformer, rank: int, alpha: float, targets: list[str], init: str = "default"):
+def add_lora(transformer, rank: int, alpha: float, targets: list[str], init: str = "default", seed: int = 0):
     """Attach a fresh LoRA (B = 0, so the policy starts equal to the base model) and keep its weights in fp32.
-    init: A's initialisation, peft's default (Kaiming-uniform) or "gaussian"."""
+    init: A's initialisation, peft's default (Kaiming-uniform) or "gaussian".
+
+    seed: A is drawn from torch's CPU generator seeded with it (peft initialises on the CPU before moving the adapter
+    to the base layer's device), and the caller's generator state is left as it was. peft itself draws from the
+    global generator, which nothing else seeds when a model is loaded from disk: every run of SD3.5-M would start
+    from another A, and two data-parallel actors from different adapters. (B = 0 hides it from the first forward;
+    A sets the first update's grad B.)"""
     from peft import LoraConfig
 
     names = [name for name, _ in transformer.named_modules()]
@@ -118,8 +124,10 @@ def add_lora(transformer, rank: int, alpha: float, targets: list[str], init: str
     if missing:
         raise UserError(f"model.lora_targets {missing} match no module of the transformer; "
                         "use names like to_q, to_k, to_v, to_out.0, add_q_proj")
-    transformer.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets,
-                                       init_lora_weights="gaussian" if init == "gaussian" else True))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        transformer.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets,
+                                           init_lora_weights="gaussian" if init == "gaussian" else True))
     for p in transformer.parameters():
         if p.requires_grad:
             p.data = p.data.float()  # fp32 master weights for the adapter even when the base is bf16

@@ -127,17 +127,21 @@ def test_reward_replicas_as_ray_actors_keep_order_and_survive_a_death():
     ex.close()
 
 
-def test_data_parallel_actors_stay_identical(tmp_path):
+def test_data_parallel_actors_stay_identical(tmp_path, tiny_dir):
     """Two colocated hosts (1 core each): generation sharded over both, gradients all-reduced over gloo, so the
-    two ranks' weights stay bit-identical after every update while each trained on its own half of the batch."""
+    two ranks' weights stay bit-identical after every update while each trained on its own half of the batch.
+    The model comes from a directory, as SD3.5-M does: the tiny builder seeds torch's global generator, loading
+    seeds nothing, and each Ray process starts from another random seed, so a fresh adapter's A must come from
+    the run's seed for the ranks to start equal (they did not, before add_lora took the seed)."""
     import torch
 
     cfg = small_config(tmp_path, "max_steps=2", "engine.kind=ray", "engine.hybrid=true", "engine.device=cpu",
                        "engine.actor_workers=2", "engine.rollout_workers=2", "engine.cpus_per_worker=1",
-                       "data.prompts_per_step=2", "train.mini_batch_size=8")
+                       "data.prompts_per_step=2", "train.mini_batch_size=8", f"model.path={tiny_dir}")
     trainer = Trainer(cfg, prepare(cfg))
     engine, same = trainer.engine, []
-    before = ray.get(engine.actors[0].actor_weights.remote())
+    before, before1 = ray.get([h.actor_weights.remote() for h in engine.actors])
+    assert all(torch.equal(before[k], before1[k]) for k in before), "the ranks start from different adapters"
     real_sync = engine.sync
 
     def sync():

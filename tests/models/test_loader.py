@@ -1,4 +1,5 @@
-"""The LoRA files gerl writes load with PEFT too, and files that are not a LoRA are refused with one line."""
+"""The LoRA files gerl writes load with PEFT too, files that are not a LoRA are refused with one line, and a fresh
+adapter is the seed's whatever the global generator holds."""
 
 import copy
 
@@ -7,7 +8,7 @@ import torch
 from safetensors.torch import save_file
 
 from gerl.errors import UserError
-from gerl.models.loader import LORA_WEIGHT_NAME, lora_file, save_lora
+from gerl.models.loader import LORA_WEIGHT_NAME, add_lora, load_pipeline, lora_file, save_lora
 
 
 def _forward(transformer, seed: int = 0) -> torch.Tensor:
@@ -69,3 +70,25 @@ def test_each_role_loads_only_what_it_uses_and_the_vae_stays_fp32(tiny_dir):
     assert rollout.vae.dtype == torch.float32 and rollout.text_encoder_3.dtype == torch.float16
     tiny = build_pipeline(load_config(None, ["model.dtype=bf16"]), roles=("actor",))  # the in-code tiny model
     assert tiny.vae is None and tiny.text_encoder is None and tiny.transformer.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("init", ["default", "gaussian"])
+def test_a_fresh_adapter_is_the_seeds_for_a_model_loaded_from_disk(tiny_dir, init):
+    """A model loaded from a directory (as SD3.5-M is) seeds nothing: peft draws A from the global generator, so
+    before the fix every run, and every data-parallel rank, began from another A (the tiny builder seeds the global
+    generator, which hid it). A must depend on the seed alone, and add_lora must leave the caller's generator as
+    it found it."""
+    def adapter_a(seed: int, global_seed: int) -> dict[str, torch.Tensor]:
+        tr = load_pipeline(str(tiny_dir), components=("transformer",)).transformer
+        torch.manual_seed(global_seed)
+        before = torch.get_rng_state()
+        add_lora(tr, 4, 8.0, ["to_q", "to_k", "to_v", "to_out.0"], init, seed=seed)
+        assert torch.equal(torch.get_rng_state(), before), "add_lora consumed the caller's generator"
+        a = {n: p.detach().clone() for n, p in tr.named_parameters() if "lora_A" in n}
+        assert a and all(p.dtype == torch.float32 and p.abs().sum() > 0 for p in a.values())
+        return a
+
+    with torch.random.fork_rng():
+        first, other_global, other_seed = adapter_a(0, 1), adapter_a(0, 2), adapter_a(1, 1)
+    assert all(torch.equal(first[n], other_global[n]) for n in first)
+    assert not any(torch.equal(first[n], other_seed[n]) for n in first)
