@@ -15,11 +15,13 @@ A metrics row is one line of RUN_DIR/metrics.jsonl: a dict with "step" and, depe
 
 from __future__ import annotations
 
+import json
 import math
 import resource
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 CLIP_TOKENS = 77  # SD3 pads the CLIP-L/G hidden states to 77 tokens before concatenating T5's
 
@@ -343,7 +345,13 @@ def model_config_for(model_path: str, pipe=None) -> tuple[dict, int] | None:
     available (e.g. model.path=tiny without a pipeline): MFU is then null."""
     if pipe is not None:
         return dict(pipe.transformer.config), 2 ** (len(pipe.vae.config.block_out_channels) - 1)
-    try:
+    if model_path == "tiny":  # built in code, no configs on disk (and no ~4 s diffusers import to find that out)
+        return None
+    local = Path(model_path)
+    if (local / "transformer" / "config.json").is_file() and (local / "vae" / "config.json").is_file():
+        t, v = (json.loads((local / c / "config.json").read_text()) for c in ("transformer", "vae"))
+        return t, 2 ** (len(v["block_out_channels"]) - 1)
+    try:  # a hub id: its configs in the local Hugging Face cache
         from diffusers import AutoencoderKL, SD3Transformer2DModel
 
         t = SD3Transformer2DModel.load_config(model_path, subfolder="transformer", local_files_only=True)

@@ -71,7 +71,12 @@ def check_resolution(path: str, resolution: int, what: str, tiny_seed: int = 0) 
     """A UserError naming `what` when `resolution` is beyond what model `path` can generate (read from its configs,
     before any weights load). Silent when the configs cannot be read here: loading the model then says why."""
     try:
-        arch = architecture(path, tiny_seed)
+        if path == "tiny":  # its constructor arguments, not the built pipeline: no diffusers import for a size check
+            from gerl.models.tiny import TRANSFORMER_KWARGS, VAE_KWARGS
+
+            arch = Architecture("the tiny SD3", {"transformer": TRANSFORMER_KWARGS, "vae": VAE_KWARGS})
+        else:
+            arch = architecture(path, tiny_seed)
         if "transformer" not in arch.configs or "vae" not in arch.configs:
             return
         limit, why = arch.max_resolution()

@@ -178,3 +178,17 @@ def test_mfu_and_peaks():
 def test_peak_memory_on_cpu_is_the_process_rss():
     gib = peak_memory_gib(None)
     assert 0.01 < gib < 64
+
+
+def test_model_config_for_reads_a_directory_as_diffusers_does(tiny_pipe, tiny_dir, tmp_path):
+    """The FLOPs model's configs from disk: a saved directory gives what diffusers' own load_config gives (the
+    reference) and the pipeline's VAE factor; tiny without a pipeline and a directory without configs give None."""
+    from diffusers import AutoencoderKL, SD3Transformer2DModel
+
+    from gerl.logging.throughput import model_config_for
+
+    config, factor = model_config_for(str(tiny_dir))
+    assert config == dict(SD3Transformer2DModel.load_config(str(tiny_dir), subfolder="transformer"))
+    assert factor == 2 ** (len(AutoencoderKL.load_config(str(tiny_dir), subfolder="vae")["block_out_channels"]) - 1) == 4
+    assert model_config_for("tiny", tiny_pipe) == (dict(tiny_pipe.transformer.config), 4)
+    assert model_config_for("tiny") is None and model_config_for(str(tmp_path)) is None

@@ -92,3 +92,39 @@ def test_a_fresh_adapter_is_the_seeds_for_a_model_loaded_from_disk(tiny_dir, ini
         first, other_global, other_seed = adapter_a(0, 1), adapter_a(0, 2), adapter_a(1, 1)
     assert all(torch.equal(first[n], other_global[n]) for n in first)
     assert not any(torch.equal(first[n], other_seed[n]) for n in first)
+
+
+def test_the_tiny_size_limit_is_read_without_building_or_importing_diffusers(tiny_pipe):
+    """check_resolution reads tiny's limit from the constructor arguments the builder uses (a `gerl` process that
+    stops on a bad resolution no longer pays ~4 s of diffusers/transformers imports); those arguments are the
+    built model's, and the limit is the one diffusers itself enforces (pos_embed_max_size × patch × VAE factor)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from gerl.models.tiny import TRANSFORMER_KWARGS, VAE_KWARGS
+
+    for kwargs, module in ((TRANSFORMER_KWARGS, tiny_pipe.transformer), (VAE_KWARGS, tiny_pipe.vae)):
+        for key, value in kwargs.items():
+            got = module.config[key]
+            assert (list(got) if isinstance(got, (list, tuple)) else got) == \
+                (list(value) if isinstance(value, tuple) else value), key
+    code = ("import sys\n"
+            "from gerl.errors import UserError\n"
+            "from gerl.plan.arch import check_resolution\n"
+            "check_resolution('tiny', 256, 'ok')\n"
+            "try:\n"
+            "    check_resolution('tiny', 264, 'model.resolution=264')\n"
+            "except UserError as e:\n"
+            "    print(e)\n"
+            "print(sorted(m for m in ('diffusers', 'transformers') if m in sys.modules))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       cwd=Path(__file__).resolve().parents[2])
+    assert r.returncode == 0, r.stderr[-2000:]
+    error, imported = r.stdout.strip().splitlines()
+    assert "larger than the 256 px that tiny can generate" in error and imported == "[]", r.stdout
+    # 256 px is the edge diffusers enforces: 32 × 2 × 4 generates, one latent patch more does not
+    with pytest.raises(ValueError, match="pos_embed_max_size"):
+        x = torch.zeros(1, 16, (256 + 8) // 4, (256 + 8) // 4)
+        tiny_pipe.transformer.pos_embed(x)
+    assert tiny_pipe.transformer.pos_embed(torch.zeros(1, 16, 64, 64)).shape[1] == (64 // 2) ** 2
