@@ -21,7 +21,9 @@ stage with CUDA syncs. After the timed steps, at the final weights:
   an fp32 copy (the same weights upcast, the same recorded batch and advantages; old log-probs recomputed in fp32
   so that its ratio is 1 too): cosine (bar 0.99) and the fraction of exactly-zero entries. An adapter still at
   PEFT's init (B = 0, so grad A ≡ 0) first gets a seeded random B (std 1e-3). fp16 trains with dynamic loss
-  scaling (train.fp16_loss_scale); --no-loss-scale turns it off, the control: its gradients underflow to zero.
+  scaling (train.fp16_loss_scale), and its gradient check also runs the control: the same update with scaling
+  off, on the same rollout against the same fp32 copy (its gradients underflow to zero). --no-loss-scale runs
+  everything unscaled.
 - memory: weights per component (parameters + buffers), optimizer state, and the peak allocated memory of each
   stage (encode, rollout, decode, train; rollout_ours and stock of the comparison; ratio_check), GiB of
   torch.cuda.max_memory_allocated, reset on entering each stage (n/a on a CPU, which reports its peak RSS); on
@@ -35,7 +37,7 @@ The day a GPU is lent, two commands (a ~5 min and a ~4 min run):
 The second runs each of the five run_sd3_fast_*.sh launchers for 2 steps on this one GPU, each host on a share of it
 (engine.gpus_per_worker = 1/hosts), on ocr-mini at 64 px (benchmarks/bench_gpu_launchers.py): grad_norm > 0 and
 max |ratio − 1| ≤ 1e-3 at step 1, no CUDA context in the driver, each host's peak beside `gerl plan`'s. Add the
-fp16/bf16 gradient cosine on CUDA with `--dtype fp16 --steps 0 --no-stock` (and `--no-loss-scale` for the control).
+fp16/bf16 gradient cosine on CUDA with `--dtype fp16 --steps 0 --no-stock` (which also runs the unscaled control).
 
 Estimated runtime on one H100 (an estimate reasoned from FLOPs, not a measurement): an SD3.5-M forward at 512 px
 with 333 text tokens is ≈ 2.45 TFLOP per image, so a step is 64 × 10 rollout forwards (1.6 PFLOP) + 64 × 3 trained
@@ -57,12 +59,12 @@ on one 512 px image with a 3-step schedule whose 1 trained step is step 0 (σ 1 
 steps (the loss averages over both). fp16 GEMMs and the CPU flash-attention backward are emulated in fp32 with one
 rounding to fp16 per output (gerl/numerics.py: a GPU's fp16 numerics, ~100× faster than a CPU's fp16 GEMMs); the
 run says so. ≈ 15–30 s each on 2 cores, plus 5–20 s to build the first. Measured at 2 blocks: cosine with fp32
-1.00000 in fp16 (loss scale 2¹⁶), 0.99987 in bf16, 0 in fp16 with --no-loss-scale (every entry exactly zero; at
-advantage scale 1, 96× larger gradients, still 68 % zero and cosine 0.70):
+1.00000 in fp16 (loss scale 2¹⁶), 0.99987 in bf16, 0 in fp16 without loss scaling (the control: every entry exactly
+zero; at advantage scale 1, 96× larger gradients, still 68 % zero and cosine 0.70):
 
     python -m benchmarks gpu --device cpu --layers 2 --dtype fp16 --steps 0 --warmup 0 --no-stock --prompts 1 \
         --group-size 1 --num-steps 3 --sde-window 1 --sde-window-range 0 1 --t5-tokens 32 --advantage-scale 0.0104167
-    # the same with --no-loss-scale (the control), or --dtype bf16
+    # the fp16 run prints the unscaled control too; the same with --dtype bf16
 
 --with-reward: none = random rewards (GPU work only); off = OCR after the whole batch is generated; on = each
 decoded micro-batch's OCR submitted as a future while generation goes on; both = off and on, alternating steps.
@@ -354,14 +356,18 @@ def ratio_check(ctx, embeds: list[Embeds], trajs: list[Trajectory], micro_sizes:
                          schedule=ctx.schedule, traj=Trajectory.cat(trajs), images=[], policy_version=0)
     advantages = torch.randn(ctx.images, generator=torch.Generator().manual_seed(0)) * ctx.args.advantage_scale
 
-    def make_actor(transformer, micro: int, grad_sync, recompute: bool) -> ActorWorker:
+    def make_actor(transformer, micro: int, grad_sync, recompute: bool, **train_changes) -> ActorWorker:
         train = dataclasses.replace(ctx.train, micro_batch_size=micro, mini_batch_size=ctx.images,
-                                    recompute_old_log_probs=recompute)
+                                    recompute_old_log_probs=recompute, **train_changes)
         return ActorWorker(transformer, train, ModelConfig(lora=True, lora_rank=ctx.args.lora_rank), ctx.sampling,
                            max_steps=1, images_per_step=ctx.images, seed=0, grad_sync=grad_sync)
 
+    # fp16 with loss scaling: the same update without it is the control, on this rollout and this fp32 reference
+    scaled = ctx.args.dtype == "fp16" and ctx.train.fp16_loss_scale > 0
+    control = (lambda tr, micro, hook, recompute: make_actor(tr, micro, hook, recompute, fp16_loss_scale=0.0)) \
+        if scaled else None
     out = replay_check(make_actor, ctx.pipe.transformer, batch, advantages, micro_sizes, grad_check,
-                       ctx.peaks.stage, GRAD_COSINE_BAR)
+                       ctx.peaks.stage, GRAD_COSINE_BAR, control)
     if grad_check:
         out["grad_check"].update(dtype=ctx.args.dtype, advantage_scale=ctx.args.advantage_scale)
     return {"rollout_micro_batch": ctx.sampling.micro_batch_size, "bound": RATIO_BOUND, **out}
@@ -428,6 +434,14 @@ def grad_check_line(g: dict, emulated: bool) -> str:
             f"(fp32 {g['reference_clipfrac']:.2f})")
 
 
+def control_line(g: dict) -> str:
+    c = g["control"]
+    verdict = "ok" if c["cosine"] >= g["bar"] else "FAILS"
+    return (f"gradient check, the control: the same update in fp16 with loss scaling OFF, same rollout and fp32 copy: "
+            f"cosine {c['cosine']:.5f} ({verdict}, bar {g['bar']}), exactly-zero entries {c['zero_fraction']:.2%} "
+            f"(fp32 {c['reference_zero_fraction']:.2%}), |g|/|g_fp32| {c['norm_ratio']:.4g}")
+
+
 def print_extras(summary: dict) -> None:
     gib = lambda v: "n/a" if v is None else f"{v:.3g}"  # noqa: E731
     if "stock" in summary:
@@ -444,6 +458,8 @@ def print_extras(summary: dict) -> None:
                   f"max |ratio - 1| = {dev:.3e} ({flag} bound {r['bound']:g})")
         if "grad_check" in r:
             print(grad_check_line(r["grad_check"], summary["fp16_gemm_emulation"]))
+            if "control" in r["grad_check"]:
+                print(control_line(r["grad_check"]))
     m = summary["memory"]
     print("memory weights GiB: " + ", ".join(f"{k} {gib(v)}" for k, v in m["weights_gib"].items()))
     print("memory stage peaks GiB: " + ", ".join(f"{k} {gib(v)}" for k, v in m["stage_peak_gib"].items())

@@ -135,7 +135,7 @@ def perturb_fresh_lora(transformer, std: float = 1e-3, seed: int = 0) -> bool:
 
 
 def replay_check(make_actor, transformer, batch, advantages: torch.Tensor, micro_sizes: tuple[int, ...],
-                 grad_check: bool = True, stage=None, bar: float = 0.99) -> dict:
+                 grad_check: bool = True, stage=None, bar: float = 0.99, control=None) -> dict:
     """`ActorWorker.update` replaying a rollout's recorded steps at the rollout's weights, once per training
     micro-batch size; the trainable weights are restored after each.
 
@@ -150,9 +150,13 @@ def replay_check(make_actor, transformer, batch, advantages: torch.Tensor, micro
             fp32 replay: 1e-6 fp16, 3.5e-6 bf16 at 2 SD3.5-M blocks; more with depth), and past the clip range the
             clip would silence the very gradients being compared.
         stage: name -> context manager (memory peaks), optional; bar: the cosine the gradient check accepts.
+        control: with grad_check, another make_actor whose update's LoRA gradient is compared with the same fp32
+            reference on the same batch (e.g. fp16 without loss scaling: the failure that scaling prevents, paired
+            with the scaled update on one rollout instead of a second run with its own rollout and reference).
     Returns:
         {"max_abs_ratio_minus_1": {size: max |ratio − 1| before the update}, and with grad_check "grad_check":
-        grad_agreement's numbers plus the update's loss scale, clipfrac and finiteness, and the fp32 copy's}.
+        grad_agreement's numbers plus the update's loss scale, clipfrac and finiteness, and the fp32 copy's; with
+        control, grad_check["control"]: the same numbers for the control's update}.
     """
     stage = stage or (lambda name: contextlib.nullcontext())
     trainable = [p for p in transformer.parameters() if p.requires_grad]
@@ -180,4 +184,15 @@ def replay_check(make_actor, transformer, batch, advantages: torch.Tensor, micro
         "reference_ratio_dev": ref_metrics["ratio_max_dev_before_update"],
         **grad_agreement(hook.flat, ref_hook.flat),
     }
+    if control is not None:
+        ctrl_hook = FirstGrads()
+        with stage("grad_check_control"):
+            ctrl = control(transformer, mb, ctrl_hook, False).update(batch, advantages, 0)
+        with torch.no_grad():
+            for p, s in zip(trainable, saved):
+                p.copy_(s)
+        out["grad_check"]["control"] = {
+            "loss_scale": ctrl.get("loss_scale"), "finite": ctrl_hook.finite, "clipfrac": ctrl.get("clipfrac", 0.0),
+            "ratio_dev": ctrl["ratio_max_dev_before_update"], **grad_agreement(ctrl_hook.flat, ref_hook.flat),
+        }
     return out

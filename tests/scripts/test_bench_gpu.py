@@ -116,9 +116,8 @@ def real_width_run(extra: list[str], capsys) -> tuple[dict, str]:
 
 
 def test_fp16_gradients_need_loss_scaling_at_real_width(two_threads, capsys):
-    runs = {name: real_width_run(extra, capsys) for name, extra in [
-        ("fp16", ["--dtype", "fp16"]), ("fp16_unscaled", ["--dtype", "fp16", "--no-loss-scale"]),
-        ("bf16", ["--dtype", "bf16"])]}
+    runs = {name: real_width_run(extra, capsys) for name, extra in [("fp16", ["--dtype", "fp16"]),
+                                                                    ("bf16", ["--dtype", "bf16"])]}
     for name, (s, printed) in runs.items():
         assert s["layers"] == 2 and s["resolution"] == 512 and s["text_len"] == 77 + 32, name
         r = s["ratio_check"]
@@ -133,18 +132,32 @@ def test_fp16_gradients_need_loss_scaling_at_real_width(two_threads, capsys):
         assert s["fp16_gemm_emulation"] is emulated and (s["fp16_gemm_emulated_calls"] > 0) is emulated, name
         assert ("fp16 GEMM emulation ON" in printed) is emulated, name
         assert ("emulated in fp32 on the CPU" in printed) is emulated, name
-    cos = {name: s["ratio_check"]["grad_check"]["cosine"] for name, (s, _) in runs.items()}
-    zero = {name: s["ratio_check"]["grad_check"]["zero_fraction"] for name, (s, _) in runs.items()}
-    g16, g16u, gbf = (runs[n][0]["ratio_check"]["grad_check"] for n in ("fp16", "fp16_unscaled", "bf16"))
+        assert ("control" in g) is emulated, name  # only a loss-scaled run has an unscaled control
+    g16, gbf = (runs[n][0]["ratio_check"]["grad_check"] for n in ("fp16", "bf16"))
+    control = g16["control"]  # the same fp16 update without loss scaling: same rollout, same fp32 reference
     # measured: fp16 scaled 1.00000 (zeros 6.4 % vs fp32 4.3 %), bf16 0.99987, fp16 unscaled 0 (zeros 100 %)
-    assert cos["fp16"] >= 0.99 and cos["bf16"] >= 0.99, cos
-    assert g16["loss_scale"] == 65536 and gbf["loss_scale"] is None and g16u["loss_scale"] is None
+    assert g16["cosine"] >= 0.99 and gbf["cosine"] >= 0.99, (g16, gbf)
+    assert g16["loss_scale"] == 65536 and gbf["loss_scale"] is None and control["loss_scale"] is None
     # unscaled before anything reads them: the same size as fp32's (a missing unscale would leave them 65536×)
     assert 0.95 < g16["norm_ratio"] < 1.05 and 0.95 < gbf["norm_ratio"] < 1.05, (g16, gbf)
     # the control: without loss scaling every gradient underflows in fp16 and the LoRA learns nothing
-    assert cos["fp16_unscaled"] < 0.99 and zero["fp16_unscaled"] > 0.99, (cos, zero)
-    control_printed = runs["fp16_unscaled"][1]
-    assert "loss scaling OFF (the control)" in control_printed and "(FAILS, bar 0.99)" in control_printed
+    assert control["finite"] and control["ratio_dev"] < 1e-3 and control["clipfrac"] == 0, control
+    assert control["cosine"] < 0.99 and control["zero_fraction"] > 0.99, control
+    assert control["reference_zero_fraction"] == g16["reference_zero_fraction"]  # one fp32 reference for both
+    printed = runs["fp16"][1]
+    assert "gradient check, the control: the same update in fp16 with loss scaling OFF" in printed
+    assert re.search(r"the control: .* cosine [\d.]+ \(FAILS, bar 0.99\)", printed), printed
+
+
+def test_no_loss_scale_runs_everything_unscaled(capsys):
+    """--no-loss-scale on the tiny model: the update has no scaler, so there is nothing to pair a control with."""
+    with torch.random.fork_rng():
+        assert bench.main(["--tiny", "--dtype", "fp16", "--no-loss-scale", "--steps", "0", "--warmup", "0",
+                           "--no-stock", "--prompts", "1", "--group-size", "2"]) == 0
+    printed = capsys.readouterr().out
+    s = json.loads(next(ln for ln in printed.splitlines() if ln.startswith("BENCH_JSON ")).split(" ", 1)[1])
+    g = s["ratio_check"]["grad_check"]
+    assert g["loss_scale"] is None and "control" not in g and "loss scaling OFF (the control)" in printed
 
 
 # ------------------------------------------------------------------ the emulation against real fp16 ops
