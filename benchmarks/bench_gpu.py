@@ -34,6 +34,15 @@ The day a GPU is lent, two commands (a ~5 min and a ~4 min run):
     python -m benchmarks gpu --with-reward both --text-encoders --out bench_gpu.json
     python -m benchmarks gpu --launchers --out bench_launchers.json
 
+On this project's lent GPU machines (no network, ~64 MiB per call, CUDA torch in the image), first
+`python scripts/gpu_bundles.py --out .whl` here; then consecutive device calls, each carrying one bundle while the
+machine stays up (rehearsed on CPU in a venv holding only the image's packages, docs/offline_install.md):
+
+    carry [".whl/bundle1"]:  . scripts/gpu_env.sh || true          # Ray and small dependencies, ~49 MB
+    carry [".whl/bundle2"]:  . scripts/gpu_env.sh && python -m benchmarks gpu --with-reward both --text-encoders
+                                 --out $OUT/bench_gpu.json          # diffusers and rapidocr, ~34 MB
+    no carry:                . scripts/gpu_env.sh && python -m benchmarks gpu --launchers --out $OUT/bench_launchers.json
+
 The second runs each of the five run_sd3_fast_*.sh launchers for 2 steps on this one GPU, each host on a share of it
 (engine.gpus_per_worker = 1/hosts), on ocr-mini at 64 px (benchmarks/bench_gpu_launchers.py): grad_norm > 0 and
 max |ratio − 1| ≤ 1e-3 at step 1, no CUDA context in the driver, each host's peak beside `gerl plan`'s. Add the
@@ -540,7 +549,9 @@ def main(argv: list[str] | None = None) -> int:
         return launchers(args, device)
     if args.with_reward != "none" and importlib.util.find_spec("rapidocr") is None:
         print(f"bench_gpu: --with-reward {args.with_reward} needs the OCR reward's rapidocr, which is not installed; "
-              "install it with `bash scripts/setup.sh --wheelhouse DIR` (or run with --with-reward none)",
+              "install it with `bash scripts/setup.sh --wheelhouse DIR`, or on a GPU machine that already has "
+              "CUDA torch carry scripts/gpu_bundles.py's bundles and `. scripts/gpu_env.sh` (or run with "
+              "--with-reward none)",
               file=sys.stderr)
         return 2
     emulate = device.type == "cpu" and args.dtype == "fp16"
