@@ -373,8 +373,7 @@ def ratio_check(ctx, embeds: list[Embeds], trajs: list[Trajectory], micro_sizes:
 
     # fp16 with loss scaling: the same update without it is the control, on this rollout and this fp32 reference
     scaled = ctx.args.dtype == "fp16" and ctx.train.fp16_loss_scale > 0
-    control = (lambda tr, micro, hook, recompute: make_actor(tr, micro, hook, recompute, fp16_loss_scale=0.0)) \
-        if scaled else None
+    control = functools.partial(make_actor, fp16_loss_scale=0.0) if scaled else None
     out = replay_check(make_actor, ctx.pipe.transformer, batch, advantages, micro_sizes, grad_check,
                        ctx.peaks.stage, GRAD_COSINE_BAR, control)
     if grad_check:

@@ -161,15 +161,19 @@ def replay_check(make_actor, transformer, batch, advantages: torch.Tensor, micro
     stage = stage or (lambda name: contextlib.nullcontext())
     trainable = [p for p in transformer.parameters() if p.requires_grad]
     saved = [p.detach().clone() for p in trainable]
+
+    @torch.no_grad()
+    def restore():
+        for p, s in zip(trainable, saved):
+            p.copy_(s)
+
     devs = {}
     for mb in micro_sizes:
         hook = FirstGrads()
         with stage("ratio_check"):
             metrics = make_actor(transformer, mb, hook, False).update(batch, advantages, 0)
         devs[mb] = metrics["ratio_max_dev_before_update"]
-        with torch.no_grad():
-            for p, s in zip(trainable, saved):
-                p.copy_(s)
+        restore()
     out = {"max_abs_ratio_minus_1": devs}
     if not grad_check:
         return out
@@ -188,9 +192,7 @@ def replay_check(make_actor, transformer, batch, advantages: torch.Tensor, micro
         ctrl_hook = FirstGrads()
         with stage("grad_check_control"):
             ctrl = control(transformer, mb, ctrl_hook, False).update(batch, advantages, 0)
-        with torch.no_grad():
-            for p, s in zip(trainable, saved):
-                p.copy_(s)
+        restore()
         out["grad_check"]["control"] = {
             "loss_scale": ctrl.get("loss_scale"), "finite": ctrl_hook.finite, "clipfrac": ctrl.get("clipfrac", 0.0),
             "ratio_dev": ctrl["ratio_max_dev_before_update"], **grad_agreement(ctrl_hook.flat, ref_hook.flat),

@@ -1,12 +1,12 @@
 """Wheels for a GPU machine that has no network and takes at most ~64 MiB per transfer (this workplace's lent H100 /
-H200, docs/offline_install.md "A lent GPU machine"): what gerl needs there beyond the machine's own image, fetched
+H200; docs/offline_install.md, "A GPU machine that already has CUDA torch"): what gerl needs there beyond the machine's own image, fetched
 here for its Python, Ray slimmed, split into bundles that each fit one transfer beside the checkout.
 
     python scripts/gpu_bundles.py --out .whl                   # → .whl/bundle1, .whl/bundle2, ... (cp312, x86_64)
     python scripts/gpu_bundles.py --out .whl --python 3.11     # the same for another Python (a rehearsal here)
 
 Then, on the GPU machine, every command begins with `. scripts/gpu_env.sh`: it installs whichever bundles the call
-carried into /tmp/site (kept while the machine stays warm) and puts gerl on PATH.
+carried into .site/ of the checkout (kept between calls while the machine stays up) and puts gerl on PATH.
 
 Why bundles: Ray's wheel alone is 79 MB, over the 64 MiB that one call carries, and the checkout takes 13 MB of it.
 Ray's ray/jars (32 MB: the Java workers) and its dashboard web client (3 MB) are not used by a Python-only Ray with
@@ -116,7 +116,6 @@ class PipFetch:
         self.python, self.dest = python, dest
 
     def __call__(self, name: str) -> Path:
-        before = set(self.dest.iterdir())
         cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--implementation",
                "cp", "--python-version", self.python, *(a for p in PLATFORMS for a in ("--platform", p)),
                "-d", str(self.dest), name]
@@ -124,9 +123,7 @@ class PipFetch:
         if r.returncode != 0:
             raise SystemExit(f"gpu_bundles: no wheel of {name} for Python {self.python} on Linux x86_64: "
                              f"{(r.stderr.strip().splitlines() or ['pip failed'])[-1]}")
-        new = set(self.dest.iterdir()) - before
-        found = new or {p for p in self.dest.iterdir() if canonical(p.name.split("-")[0]) == canonical(name)}
-        return sorted(found)[0]
+        return next(p for p in self.dest.iterdir() if canonical(p.name.split("-")[0]) == canonical(name))
 
 
 def main(argv: list[str] | None = None) -> int:
