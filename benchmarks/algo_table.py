@@ -13,10 +13,19 @@ Columns per (algorithm, schedule), over the seeds: core-minutes to a test gain o
 checkpoint at or above it; "> budget" when not reached), the test gain at the budget, mean ± standard error
 over seeds (each seed's own standard error over the 16 numbers is in the JSON).
 
+--grid G (issue 36's protocol): every run checkpoints every step, and the checkpoints kept and scored are those on
+a fixed grid of core-minutes, the last one at or before each multiple of G, so every algorithm is read at the same
+budgets. Time to --target is then the first grid point whose reading reaches it ("> B" for a run that never did
+within its B core-minutes), and the table gives the gain at each of --budgets (a first crossing over many noisy
+readings favours early crossings; the gains at fixed budgets do not). Runs of one table may have different
+budgets (--budget is per invocation). A ratio table compares each algorithm's time to the target with
+--reference's (Flow-GRPO-Fast by default) for the same schedule.
+
     python -m benchmarks algo_table --out docs/tables/algos          # everything: train, score, tabulate
     python -m benchmarks algo_table --out docs/tables/algos --only train --algos nft --schedules async:1,async:2,async:4
     python -m benchmarks algo_table --out docs/tables/algos --only eval --eval-shard 0/2   # score in two processes
     python -m benchmarks algo_table --out docs/tables/algos --only table
+    python -m benchmarks algo_table --out docs/tables/sooner --grid 2.5 --algos grpo --budget 40   # issue 36
 
 Writes OUT.md (the table), OUT.json (every number), OUT.png (the curves) and the run directories under --runs-dir.
 """
@@ -74,7 +83,8 @@ def train_run(run: Path, algo: str, schedule: str, seed: int, args) -> None:
     """One run to --budget training core-minutes (stopped with SIGINT; it checkpoints the step it is on)."""
     cores = sorted(os.sched_getaffinity(0))[:args.cores]
     cmd = [sys.executable, "-m", "gerl.cli", "train", RECIPES[algo], f"output_dir={run}", "overwrite=true",
-           f"seed={seed}", "max_steps=10000", "validation.every=-1", f"checkpoint.every={args.every}",
+           f"seed={seed}", "max_steps=10000", "validation.every=-1",
+           f"checkpoint.every={1 if args.grid else args.every}",
            "checkpoint.keep_last=0", "log.progress_bar=false", "log.tensorboard=false", "log.images_every=0",
            *schedule_overrides(schedule), *args.overrides]
     env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
@@ -92,6 +102,35 @@ def train_run(run: Path, algo: str, schedule: str, seed: int, args) -> None:
     if proc.returncode not in (0, 130):
         tail = (run.parent / f"{run.name}.log").read_text()[-1500:]
         sys.exit(f"algo_table: {run.name} failed (exit {proc.returncode}):\n{tail}")
+    if args.grid:
+        prune_to_grid(run, args)
+
+
+def grid_steps(minutes: dict[int, float], grid: float) -> dict[float, int]:
+    """{grid point g: the last step whose cumulative core-minutes are ≤ g} for g = grid, 2·grid, … (no step before
+    the first point means no reading there; the base is the reading at 0)."""
+    out: dict[float, int] = {}
+    if not minutes:
+        return out
+    top = max(minutes.values())
+    n = 1
+    while n * grid <= top + 1e-9:
+        g = round(n * grid, 6)
+        within = [s for s, m in minutes.items() if m <= g + 1e-9]
+        if within:
+            out[g] = max(within)
+        n += 1
+    return out
+
+
+def prune_to_grid(run: Path, args) -> None:
+    """Delete every checkpoint that is not a grid reading (about 2.6 MB each on ocr-mini, one per step)."""
+    import shutil
+
+    keep = set(grid_steps(core_minutes(read_rows(run), args.cores), args.grid).values())
+    for c in (run / "checkpoints").glob("step_*"):
+        if int(c.name[5:]) not in keep:
+            shutil.rmtree(c)
 
 
 class Scorer:
@@ -164,9 +203,19 @@ def summarize_run(run: Path, args) -> dict:
     for step, scores in sorted(ev["steps"].items(), key=lambda kv: int(kv[0])):
         gain, se = paired(ev["base"], scores, args.images_per_prompt)
         curve.append({"step": int(step), "core_min": minutes.get(int(step)), "gain": gain, "stderr": se})
+    base_mean = sum(s for s in ev["base"] if s is not None) / len(ev["base"])
+    spent = max(minutes.values(), default=0.0)
+    if args.grid:  # read the curve on the grid only: the same budgets for every run
+        by_step = {c["step"]: c for c in curve}
+        curve = [dict(by_step[s], grid_min=g) for g, s in grid_steps(minutes, args.grid).items() if s in by_step]
+        reached = next((c["grid_min"] for c in curve if c["gain"] >= args.target), None)
+        at = {g: next((c["gain"] for c in curve if c["grid_min"] == g), None) for g in args.budgets}
+        return {"run": run.name, "base_test": base_mean, "core_min_to_target": reached, "spent": spent,
+                "gain_at": at, "curve": curve, "steps": max((r["step"] for r in rows if "step_s" in r), default=0),
+                "s_per_step": (sum(r["step_s"] for r in rows if r.get("step_s")) /
+                               max(1, sum(1 for r in rows if r.get("step_s"))))}
     reached = next((c["core_min"] for c in curve if c["gain"] >= args.target), None)
     within = [c for c in curve if c["core_min"] is not None and c["core_min"] <= args.budget + 1e-9]
-    base_mean = sum(s for s in ev["base"] if s is not None) / len(ev["base"])
     return {"run": run.name, "base_test": base_mean, "core_min_to_target": reached,
             "gain_at_budget": within[-1]["gain"] if within else None, "curve": curve,
             "steps": max((r["step"] for r in rows if "step_s" in r), default=0),
@@ -183,7 +232,73 @@ def mean_se(xs: list[float]) -> tuple[float | None, float | None]:
     return m, se
 
 
+def fmt_mean_se(xs: list) -> str:
+    m, se = mean_se(xs)
+    if m is None:
+        return "–"
+    return f"{m:+.3f}" + ("" if se is None else f" ± {se:.3f}") + ("" if len([x for x in xs if x is not None]) ==
+                                                                   len(xs) else f" ({sum(x is not None for x in xs)} of {len(xs)})")
+
+
+def grid_table(results: dict, args) -> str:
+    """One row per (algorithm, schedule): time to the target on the grid, then the gain at each fixed budget."""
+    heads = " | ".join(f"gain at {b:g}" for b in args.budgets)
+    lines = [f"| algorithm | schedule | seeds | s/step | core-min run | core-min to +{args.target:g} (each seed) | "
+             f"{heads} | base test |", "| --- " * (7 + len(args.budgets)) + "|"]
+    for key, runs in results.items():
+        algo, schedule = key.split("|")
+        shown = ", ".join(f"{r['core_min_to_target']:g}" if r["core_min_to_target"] is not None
+                          else f"> {math.floor(r['spent'] / args.grid) * args.grid:g}" for r in runs)
+        spent = ", ".join(f"{r['spent']:.1f}" for r in runs)
+        gains = " | ".join(fmt_mean_se([r["gain_at"].get(b) for r in runs]) for b in args.budgets)
+        lines.append(f"| {NAMES[algo]} | {schedule} | {len(runs)} | {sum(r['s_per_step'] for r in runs) / len(runs):.2f} "
+                     f"| {spent} | {shown} | {gains} | {runs[0]['base_test']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def ratio_table(results: dict, args) -> str:
+    """How many times sooner each algorithm reaches the target than --reference (Flow-GRPO-Fast), against each
+    schedule the reference ran (its own schedule, and sync: what a user without the split would run).
+
+    Ratio of the mean times over seeds, its standard error by the delta method (the seeds of the two algorithms
+    are independent). A reference seed that never got there counts at its own budget, so the ratio is then a lower
+    bound ("≥"); an algorithm seed that never got there makes its own mean a lower bound, so the ratio is an upper
+    bound ("≤"); both: no ratio."""
+    def times(rs):
+        return ([r["core_min_to_target"] if r["core_min_to_target"] is not None
+                 else math.floor(r["spent"] / args.grid) * args.grid for r in rs],
+                any(r["core_min_to_target"] is None for r in rs))
+
+    def show(m, se, cens):
+        return f"{'≥ ' if cens else ''}{m:.1f}" + ("" if se is None or cens else f" ± {se:.1f}")
+
+    lines = [f"| algorithm | schedule | mean core-min to +{args.target:g} | {NAMES[args.reference]} | its mean | "
+             "× sooner |", "| --- | --- | --- | --- | --- | --- |"]
+    for key, runs in results.items():
+        algo, schedule = key.split("|")
+        if algo == args.reference:
+            continue
+        for rkey, ref in results.items():
+            ralgo, rsched = rkey.split("|")
+            if ralgo != args.reference or rsched not in (schedule, "sync"):
+                continue
+            (t, t_cens), (tr, tr_cens) = times(runs), times(ref)
+            (m, se), (mr, ser) = mean_se(t), mean_se(tr)
+            if t_cens and tr_cens:
+                ratio = "– (neither reached it on every seed)"
+            else:
+                r = mr / m
+                rel = math.sqrt(((se or 0) / m) ** 2 + ((ser or 0) / mr) ** 2)
+                bound = "≥ " if tr_cens else "≤ " if t_cens else ""
+                ratio = f"{bound}{r:.2f}" + ("" if bound else f" ± {r * rel:.2f}")
+            lines.append(f"| {NAMES[algo]} | {schedule} | {show(m, se, t_cens)} | {rsched} | "
+                         f"{show(mr, ser, tr_cens)} | {ratio} |")
+    return "\n".join(lines) + "\n"
+
+
 def table(results: dict, args) -> str:
+    if args.grid:
+        return grid_table(results, args) + "\n" + ratio_table(results, args)
     lines = [f"| algorithm | schedule | seeds | s/step | core-min to +{args.target:g} (each seed) | "
              f"test gain after {args.budget:g} core-min (mean ± SE over seeds) | base test |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
@@ -210,14 +325,15 @@ def plot(results: dict, args, path: Path) -> None:
     for key, runs in results.items():
         algo, schedule = key.split("|")
         for i, r in enumerate(runs):
-            pts = [(c["core_min"], c["gain"]) for c in r["curve"] if c["core_min"] is not None]
+            pts = [(c.get("grid_min", c["core_min"]), c["gain"]) for c in r["curve"] if c["core_min"] is not None]
             pts = [(0.0, 0.0), *pts]  # step 0 is the base: gain 0 by definition
             ax.plot(*zip(*pts), color=colors[algo], ls="-" if schedule == "sync" else "--", alpha=0.8, lw=1.2,
                     label=f"{NAMES[algo]}, {schedule}" if i == 0 else None)
     ax.axhline(args.target, color="grey", lw=0.8, ls=":")
-    ax.set_xlabel("training core-minutes (2 cores)")
+    ax.set_xlabel(f"training core-minutes ({args.cores} cores)")
     ax.set_ylabel("sealed-test OCR gain (paired)")
-    ax.set_xlim(0, args.budget * 1.05)
+    top = max((r.get("spent", args.budget) for runs in results.values() for r in runs), default=args.budget)
+    ax.set_xlim(0, top * 1.05)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -233,7 +349,11 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--cores", type=int, default=2)
     ap.add_argument("--budget", type=float, default=10.0, help="training core-minutes per run")
-    ap.add_argument("--every", type=int, default=5, help="checkpoint every N steps")
+    ap.add_argument("--every", type=int, default=5, help="checkpoint every N steps (without --grid)")
+    ap.add_argument("--grid", type=float, default=0.0,
+                    help="read every run on a grid of this many core-minutes (checkpoints every step, pruned to the grid)")
+    ap.add_argument("--budgets", default="5,10,20,40", help="with --grid: the gain columns, in core-minutes")
+    ap.add_argument("--reference", default="grpo", help="with --grid: the algorithm the × sooner ratios compare with")
     ap.add_argument("--target", type=float, default=0.15, help="test gain whose core-minutes are reported")
     ap.add_argument("--eval-seed", type=int, default=777, help="noise of the test evaluation (fresh: not 1234)")
     ap.add_argument("--images-per-prompt", type=int, default=8)
@@ -241,6 +361,7 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-shard", default="0/1", help="I/N: score every N-th run starting at I (parallel scoring)")
     ap.add_argument("overrides", nargs="*", help="config overrides for every run")
     args = ap.parse_args(argv)
+    args.budgets = [float(b) for b in args.budgets.split(",")]
     algos, schedules = args.algos.split(","), args.schedules.split(",")
     bad = [a for a in algos if a not in RECIPES] + [s for s in schedules if s != "sync" and not s.startswith("async:")]
     if bad:
