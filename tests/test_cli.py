@@ -132,7 +132,7 @@ def test_sample_and_eval_with_a_trained_lora(capsys, tmp_path):
 
     weights = load_file(ckpt / "pytorch_lora_weights.safetensors")
     zeroed = {k: torch.zeros_like(v) if "lora_B" in k else v for k, v in weights.items()}
-    assert sum("lora_B" in k for k in zeroed) > 0 and any(torch.count_nonzero(weights[k]) for k in zeroed if "lora_B" in k)
+    assert any(torch.count_nonzero(weights[k]) for k in zeroed if "lora_B" in k)  # trained: B moved from zero
     noop = tmp_path / "run/checkpoints/step_000002"  # in the run: the same run settings from its config.yaml
     noop.mkdir()
     save_file(zeroed, noop / "pytorch_lora_weights.safetensors")

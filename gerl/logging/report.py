@@ -2,8 +2,8 @@
 by relative paths, nothing fetched from the network) comparing runs: validation reward against steps and against
 GPU-hours (core-hours for CPU runs), training reward ± std, KL / clip fraction / gradient norm where they apply to
 the run's algorithm (gerl/logging/describe.py), the seed table's columns — algorithm, loss and schedule read from
-each run's config.yaml — with the final and best validation reward, validation samples across steps (each tile captioned with its
-score and prompt from the grid's JSON sidecar), and a Gantt chart of each run's stage timeline.
+each run's config.yaml — with the final and best validation reward, validation samples across steps (each tile
+captioned with its score and prompt from the grid's JSON sidecar), and a Gantt chart of each run's stage timeline.
 
 Everything is recomputed from the run directory (config.yaml, metrics.jsonl, timeline.jsonl, samples/), so runs
 logged before a metric existed still get their throughput and GPU-hour columns.

@@ -94,5 +94,6 @@ def test_the_rollout_hands_back_cpu_tensors_whatever_device_it_computes_on(make_
     assert_on_cpu(batch, "batch")
     for name in ("latents", "next_latents", "log_probs", "step_indices", "final_latents"):
         assert torch.equal(getattr(batch.traj, name), getattr(plain.traj, name)), name
-    assert torch.equal(batch.embeds.prompt, plain.embeds.prompt) and torch.equal(batch.embeds.pooled, plain.embeds.pooled)
+    assert torch.equal(batch.embeds.prompt, plain.embeds.prompt)
+    assert torch.equal(batch.embeds.pooled, plain.embeds.pooled)
     assert [im.tobytes() for im in batch.images] == [im.tobytes() for im in plain.images]

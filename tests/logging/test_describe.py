@@ -112,7 +112,8 @@ def test_the_report_of_the_quickstart_and_an_nft_run(tmp_path, monkeypatch):
     awm = _fake_run(tmp_path / "quickstart", written_config(recipe, *overrides),
                     {"kl": 1e-3, "clipfrac": 0.0, "grad_norm": 0.5})
     # NFT logs no clip fraction; beta 0 here: its kl key would be a line of zeros
-    nft = _fake_run(tmp_path / "nft", written_config("ocr_mini_nft.yaml", "train.beta=0"), {"kl": 0.0, "grad_norm": 0.2})
+    nft = _fake_run(tmp_path / "nft", written_config("ocr_mini_nft.yaml", "train.beta=0"),
+                    {"kl": 0.0, "grad_norm": 0.2})
     drawn = {}
     real = report.plots.panel_plot
 

@@ -65,7 +65,8 @@ def test_report_of_two_runs_is_local_valid_and_matches_configs(report_runs, tmp_
             assert im.format == "PNG"
 
     # Flow-GRPO with train.beta 0: the clip fraction and the gradient norm apply, a KL curve would be zeros
-    assert "clipfrac_grad_norm.png" in {p.name for p in pngs} and "kl_clipfrac_grad_norm.png" not in {p.name for p in pngs}
+    names = {p.name for p in pngs}
+    assert "clipfrac_grad_norm.png" in names and "kl_clipfrac_grad_norm.png" not in names
     header, *rows = page.tables[0]
     # these are CPU runs: the hours column counts core-hours, and says so
     assert header == [("# Core Hour" if c == "# GPU Hour" else c) for c in SEED_COLUMNS]
