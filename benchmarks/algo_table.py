@@ -341,7 +341,7 @@ def plot(results: dict, args, path: Path) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--out", required=True, help="OUT.md and OUT.json are written")
     ap.add_argument("--runs-dir", default="runs/algo_table")
     ap.add_argument("--algos", default="grpo,nft,awm")

@@ -176,7 +176,7 @@ def start_remote(latency: float) -> tuple[subprocess.Popen, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--steps", type=int, default=6, help="steps per mode; the first (warm-up) ones are not measured")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--reward", choices=["ocr", "remote", "jpeg"], default="ocr")

@@ -476,7 +476,7 @@ def print_extras(summary: dict) -> None:
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, str | None]:
     """(args with the defaults filled in, the reason they cannot run or None)."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--tiny", action="store_true", help="the tiny offline SD3 on CPU (smoke test of the same code path)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per reward mode (0: only the checks)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps first (kernel selection, OCR model load)")

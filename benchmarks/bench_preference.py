@@ -58,7 +58,7 @@ def images(n: int, size: int = 512) -> tuple[list, list]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--images", type=int, default=16)
     ap.add_argument("--batch", type=int, default=8, help="images per micro-batch (and per forward pass)")
     args = ap.parse_args()

@@ -58,7 +58,7 @@ def run(mode: str, args, root: Path) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--budget", type=float, default=90.0, help="seconds of training per mode")
     ap.add_argument("--config", default="recipes/tiny_cpu.yaml")
     ap.add_argument("--base", default="jpeg_compressibility", help="the reward behind the delay")

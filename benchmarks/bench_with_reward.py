@@ -21,7 +21,7 @@ from gerl.trainer import Trainer, prepare
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--steps", type=int, default=6, help="steps per mode")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()

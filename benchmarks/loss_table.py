@@ -88,7 +88,7 @@ def table(results: dict, steps: int) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--out", required=True, help="OUT.md and OUT.json are written")
     ap.add_argument("--runs-dir", default="runs/loss_table")
     ap.add_argument("--losses", default=",".join(LOSSES))

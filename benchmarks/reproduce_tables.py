@@ -181,7 +181,7 @@ def train_one(strategy: str, args, cores: list[int], overrides: list[str]) -> Pa
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--recipe", required=True, help="base recipe (YAML); its validation.every must be > 0")
     ap.add_argument("--strategies", default=",".join(STRATEGIES))
     ap.add_argument("--max-steps", type=int, required=True, help="step budget per run")

@@ -127,7 +127,7 @@ class PipFetch:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--out", type=Path, required=True, help="folder for bundle1, bundle2, ... (e.g. .whl)")
     ap.add_argument("--python", default="3.12", help="the GPU machine's Python (3.12 on this workplace's image)")
     ap.add_argument("--cap-mb", type=int, default=50,

@@ -136,7 +136,7 @@ def make_prompts(targets: list[str], size: int, rng: random.Random) -> list[str]
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--train-size", type=int, default=2000)
     parser.add_argument("--test-size", type=int, default=64)

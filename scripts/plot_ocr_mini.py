@@ -73,7 +73,7 @@ def before_after(run: Path, out: Path, after_step: int = 0) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("runs", nargs="+", type=Path)
     ap.add_argument("--labels", nargs="*", default=None)
     ap.add_argument("--out", default="docs/img/ocr_mini", help="output prefix")

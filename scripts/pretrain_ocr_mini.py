@@ -269,7 +269,7 @@ def write_prompts(directory: Path) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--out", required=True, help="output diffusers directory (replaced if it exists)")
     ap.add_argument("--steps", type=int, default=1000, help="transformer training steps")
     ap.add_argument("--batch", type=int, default=64, help="transformer batch size")

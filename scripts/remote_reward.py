@@ -95,7 +95,7 @@ def serve(latency: float, port: int = 0) -> ThreadingHTTPServer:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--latency", type=float, default=0.25, help="seconds slept per request (one micro-batch)")
     ap.add_argument("--port", type=int, default=0, help="0 = any free port (printed as 'PORT <n>')")
     args = ap.parse_args(argv)

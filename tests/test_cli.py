@@ -124,6 +124,27 @@ def test_sample_and_eval_with_a_trained_lora(capsys, tmp_path):
     assert cmp["gain"]["mean"] == pytest.approx(sum(diffs) / 6, abs=1e-9)
     assert cmp["gain"]["mean"] == pytest.approx(cmp["mean"] - cmp["base"]["mean"], abs=1e-9)
     assert cmp["stderr"] > 0 and cmp["base"]["stderr"] > 0
+    # A LoRA that changes nothing (every B matrix zero, as peft initialises it), beside the trained one: with paired
+    # noise and one sampler for both passes each of its images is its base image, so every pair scores the same;
+    # and the base pass does not depend on which LoRA follows it.
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(ckpt / "pytorch_lora_weights.safetensors")
+    zeroed = {k: torch.zeros_like(v) if "lora_B" in k else v for k, v in weights.items()}
+    assert any(torch.count_nonzero(weights[k]) for k in zeroed if "lora_B" in k)  # trained: B moved from zero
+    noop = tmp_path / "run/checkpoints/step_000002"  # in the run: the same run settings from its config.yaml
+    noop.mkdir()
+    save_file(zeroed, noop / "pytorch_lora_weights.safetensors")
+    assert main(["eval", "--lora", str(noop), "--prompts", str(REPO / "assets/ocr/test.txt"), "--num-prompts", "3",
+                 "--num-steps", "4", "--images-per-prompt", "2", "--with-base", "--reward", "jpeg_compressibility",
+                 "--out", str(tmp_path / "noop.json")]) == 0
+    capsys.readouterr()
+    same = json.loads((tmp_path / "noop.json").read_text())
+    assert [s["score"] for s in same["scores"]] == [s["score"] for s in same["base_scores"]]
+    assert same["gain"]["mean"] == 0 and same["gain"]["stderr"] == 0
+    assert [s["score"] for s in same["base_scores"]] == [s["score"] for s in cmp["base_scores"]]
+    assert [s["score"] for s in cmp["scores"]] != [s["score"] for s in cmp["base_scores"]]  # the trained LoRA differs
 
 
 def test_mean_and_stderr_count_prompts_not_images():

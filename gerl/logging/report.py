@@ -1,8 +1,9 @@
 """`gerl report RUN... [--out PATH]`: one self-contained HTML page (inline CSS, PNGs in a sibling folder referenced
 by relative paths, nothing fetched from the network) comparing runs: validation reward against steps and against
-GPU-hours (core-hours for CPU runs), training reward ± std, KL / clip fraction / gradient norm, the seed table's
-columns with the final and best validation reward, validation samples across steps (each tile captioned with its
-score and prompt from the grid's JSON sidecar), and a Gantt chart of each run's stage timeline.
+GPU-hours (core-hours for CPU runs), training reward ± std, KL / clip fraction / gradient norm where they apply to
+the run's algorithm (gerl/logging/describe.py), the seed table's columns — algorithm, loss and schedule read from
+each run's config.yaml — with the final and best validation reward, validation samples across steps (each tile
+captioned with its score and prompt from the grid's JSON sidecar), and a Gantt chart of each run's stage timeline.
 
 Everything is recomputed from the run directory (config.yaml, metrics.jsonl, timeline.jsonl, samples/), so runs
 logged before a metric existed still get their throughput and GPU-hour columns.
@@ -23,14 +24,14 @@ from PIL import Image
 
 from gerl.errors import UserError
 from gerl.logging import plots
+from gerl.logging.describe import TRAIN_CURVES, algorithm, curves_that_apply, loss, schedule, setting
 from gerl.logging.images import read_grid_captions
 from gerl.logging.throughput import gpu_hours, gpu_hours_to_target, images_per_s_per_device
 from gerl.logging.timeline import read_timeline
 
-SEED_COLUMNS = ["Run", "Model", "Algorithm", "Hybrid Engine", "# Cards", "Reward Fn", "Async Strategy",
+SEED_COLUMNS = ["Run", "Model", "Algorithm", "Loss", "Hybrid Engine", "# Cards", "Reward Fn", "Async Strategy",
                 "# GPUs actor / rollout", "Batch Size", "rollout.n", "Learning Rate", "# Val Samples",
                 "Throughput (images/s/GPU)", "# GPU Hour", "Final Val Reward", "Best Val Reward"]
-TRAIN_CURVES = {"kl": "KL to the reference", "clipfrac": "clip fraction", "grad_norm": "gradient norm (pre-clip)"}
 STAGES = ["generate_s", "decode_s", "reward_wait_s", "reward_compute_s", "train_s", "sync_s", "validate_s", "step_s"]
 SAMPLE_PROMPTS = 4  # validation prompts shown across steps
 SAMPLE_STEPS = 6  # at most this many validation steps in the sample matrix
@@ -101,10 +102,10 @@ def devices_of(run: Run) -> float:
 def _placement(cfg: dict) -> tuple[int, int, int, bool]:
     """(devices, actor devices, rollout devices, shared) from engine.{kind, hybrid, actor_workers, rollout_workers};
     the local engine (or a config without an engine section) is one shared device."""
-    if _get(cfg, "engine.kind", "local") == "local":
+    if setting(cfg, "engine.kind") == "local":
         return 1, 1, 1, True
-    actor, rollout = _get(cfg, "engine.actor_workers", 1), _get(cfg, "engine.rollout_workers", 1)
-    if _get(cfg, "engine.hybrid", True):
+    actor, rollout = setting(cfg, "engine.actor_workers"), setting(cfg, "engine.rollout_workers")
+    if setting(cfg, "engine.hybrid"):
         return max(actor, rollout), actor, rollout, True
     return actor + rollout, actor, rollout, False
 
@@ -146,25 +147,10 @@ def _model_name(path: str) -> str:
     return "tiny SD3 (offline)" if p == "tiny" else Path(str(path)).name or str(path)
 
 
-def _async_strategy(cfg: dict) -> str:
-    """with_reward (reward futures per micro-batch) and/or the schedule: one-step-off (async, staleness 1),
-    k-stale (async, staleness k); "sync" when neither."""
-    parts = ["with_reward"] if _get(cfg, "reward.with_reward", False) is True else []
-    schedule = str(_get(cfg, "engine.schedule", "sync")).replace("_", "-").lower()
-    k = _get(cfg, "engine.max_staleness", 1)
-    if schedule == "one-step-off" or schedule in ("async", "k-stale") and k == 1:
-        parts.append("one-step-off")
-    elif schedule in ("async", "k-stale"):
-        parts.append(f"{k}-stale")
-    return " + ".join(parts) or "sync"
-
-
 def seed_row(run: Run) -> dict[str, str]:
     """The seed table's columns for one run, as display strings ("?" where the config does not say)."""
     cfg = run.config
     g = lambda key: _get(cfg, key, None)  # noqa: E731
-    window = g("sampling.sde_window_size")
-    algorithm = "?" if window is None else ("Flow-GRPO-Fast" if window > 0 else "Flow-GRPO")
     _, actor, rollout, shared = _placement(cfg)
     devices = devices_of(run)
     if g("engine.hybrid") is None or g("engine.kind") in (None, "local"):
@@ -194,9 +180,10 @@ def seed_row(run: Run) -> dict[str, str]:
     best = max(vals, key=lambda v: v[2]) if vals else None
     text = lambda v, spec="": "?" if v is None else format(v, spec)  # noqa: E731
     return {
-        "Run": run.name, "Model": _model_name(g("model.path") or "?"), "Algorithm": algorithm,
+        "Run": run.name, "Model": _model_name(g("model.path") or "?"),
+        "Algorithm": algorithm(cfg) if cfg else "?", "Loss": loss(cfg) if cfg else "?",
         "Hybrid Engine": hybrid_text, "# Cards": f"{devices:g}", "Reward Fn": reward,
-        "Async Strategy": _async_strategy(cfg), "# GPUs actor / rollout": placement, "Batch Size": batch,
+        "Async Strategy": schedule(cfg) if cfg else "?", "# GPUs actor / rollout": placement, "Batch Size": batch,
         "rollout.n": text(n), "Learning Rate": text(lr, "g"), "# Val Samples": text(val_n),
         "Throughput (images/s/GPU)": text(tput, ".3g"), "# GPU Hour": hours,
         "Final Val Reward": f"{vals[-1][2]:.4g} (step {vals[-1][0]})" if vals else "–",
@@ -205,7 +192,7 @@ def seed_row(run: Run) -> dict[str, str]:
 
 
 def _target(cfg: dict) -> tuple[float, int]:
-    return float(_get(cfg, "metrics.target_val_reward", 0.8)), int(_get(cfg, "metrics.target_hold", 1))
+    return float(setting(cfg, "metrics.target_val_reward")), int(setting(cfg, "metrics.target_hold"))
 
 
 def component_curves(run: Run) -> dict[str, dict[str, tuple[list, list]]]:
@@ -395,16 +382,21 @@ def write_report(run_dirs: list[Path], out: Path | None = None) -> Path:
     units = {hour_units(r)[1] for r in runs}
     unit = units.pop() if len(units) == 1 else "GPU-hours (core-hours for CPU runs)"
     vals = {r.name: validation_points(r) for r in runs}
-    val_step = plots.line_plot({n: ([p[0] for p in v], [p[2] for p in v]) for n, v in vals.items()},
-                               assets / "val_reward_vs_step.png", "step", "validation reward (mean)",
-                               "Validation reward vs step", target, f"target {target:g}")
-    val_hours = plots.line_plot({n: ([p[1] for p in v], [p[2] for p in v]) for n, v in vals.items()},
-                                assets / "val_reward_vs_gpu_hours.png", unit, "validation reward (mean)",
-                                f"Validation reward vs {unit}", target, f"target {target:g}")
-    panels = {title: {r.name: ([x["step"] for x in r.rows if _finite(x.get(key))],
-                               [x[key] for x in r.rows if _finite(x.get(key))]) for r in runs}
-              for key, title in TRAIN_CURVES.items()}
-    train_stats = plots.panel_plot(panels, assets / "kl_clipfrac_grad_norm.png", "step")
+    val_pngs = []
+    if any(vals.values()):  # runs with validation.every=-1 have nothing to plot
+        val_pngs = [plots.line_plot({n: ([p[0] for p in v], [p[2] for p in v]) for n, v in vals.items()},
+                                    assets / "val_reward_vs_step.png", "step", "validation reward (mean)",
+                                    "Validation reward vs step", target, f"target {target:g}"),
+                    plots.line_plot({n: ([p[1] for p in v], [p[2] for p in v]) for n, v in vals.items()},
+                                    assets / "val_reward_vs_gpu_hours.png", unit, "validation reward (mean)",
+                                    f"Validation reward vs {unit}", target, f"target {target:g}")]
+    # A curve is drawn for the runs it applies to (describe.curves_that_apply), and left out when it applies to none.
+    applies = {r.name: curves_that_apply(r.config) for r in runs}
+    keys = [k for k in TRAIN_CURVES if any(k in a for a in applies.values())]
+    panels = {TRAIN_CURVES[key]: {r.name: ([x["step"] for x in r.rows if _finite(x.get(key))],
+                                           [x[key] for x in r.rows if _finite(x.get(key))])
+                                  for r in runs if key in applies[r.name]} for key in keys}
+    train_stats = plots.panel_plot(panels, assets / f"{'_'.join(keys)}.png", "step")
     train = {}
     for r in runs:
         pts = [(x["step"], x["reward_mean"], x.get("reward_std") or 0.0) for x in r.rows
@@ -436,10 +428,12 @@ def write_report(run_dirs: list[Path], out: Path | None = None) -> Path:
         m = stage_medians(r)
         stage_rows.append([r.name] + [_fmt(m[k]) for k in STAGES] + [_fmt(m["mfu"]), _fmt(m["peak_mem_gib"])])
     parts.append(_table(["Run"] + STAGES + ["MFU", "peak mem GiB"], stage_rows))
-    parts += ["<h2>Curves</h2>", f"<img src='{rel(val_step)}' alt='validation reward vs step'>",
-              f"<img src='{rel(val_hours)}' alt='validation reward vs GPU-hours'>",
-              f"<img src='{rel(train_png)}' alt='training reward'>",
-              f"<img src='{rel(train_stats)}' alt='KL, clip fraction and gradient norm'>"]
+    parts.append("<h2>Curves</h2>")
+    parts += ([f"<img src='{rel(png)}' alt='{alt}'>" for png, alt in
+               zip(val_pngs, ("validation reward vs step", "validation reward vs GPU-hours"))]
+              or ["<p class='note'>No run logged a validation reward (validation.every=-1, or none reached).</p>"])
+    parts += [f"<img src='{rel(train_png)}' alt='training reward'>",
+              f"<img src='{rel(train_stats)}' alt='{html.escape(', '.join(panels))}'>"]
     if component_pngs:
         parts += ["<h2>Reward components (raw scores, train and validation)</h2>"]
         parts += [f"<img src='{rel(png)}' alt='reward component'>" for png in component_pngs]

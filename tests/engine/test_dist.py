@@ -1,40 +1,80 @@
 """The per-device backend map of the Ray hosts' process groups, and why it matters: a CPU tensor on a group whose
-map has no CPU entry fails (as a pure "nccl" group does on the GPUs), which a rehearsal reproduces on CPU."""
+map has no CPU entry fails (as a pure "nccl" group does on the GPUs), which a rehearsal reproduces on CPU.
+
+The maps are read by torch.distributed's own parser (BackendConfig), and the groups are formed by two real
+processes, so that an all-reduce has something to reduce."""
+
+import json
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.distributed_c10d import Backend, BackendConfig
 
 from gerl.engine import dist as gdist
 
 
-def test_backend_maps():
-    assert gdist.parse_backends("cpu:gloo,cuda:nccl") == {"cpu": "gloo", "cuda": "nccl"}
-    assert gdist.parse_backends("nccl") == {"cuda": "nccl"}  # torch reads a bare "nccl" as CUDA only
-    assert gdist.backend_map(gpu=True) == "cpu:gloo,cuda:nccl"  # GeRL's and verl's
-    assert gdist.backend_map(gpu=False) == "gloo"
-    assert gdist.backend_map(gpu=True, rehearse=True) == "cpu:gloo,cuda:gloo"
-    assert gdist.backend_map(gpu=True, shared_gpu=True) == "cpu:gloo,cuda:gloo"  # NCCL cannot join ranks on one GPU
-    # only NCCL is replaced: a CUDA-only map stays CUDA-only, so a CPU tensor still has no backend
-    assert gdist.rehearsal_backends("nccl") == "cuda:gloo"
-    assert gdist.rehearsal_backends("cpu:gloo,cuda:nccl") == "cpu:gloo,cuda:gloo"
+def torch_reads(spec: str) -> dict[str, str]:
+    """The device → backend map torch.distributed builds from a backend string."""
+    return {d: str(b) for d, b in BackendConfig(Backend(spec)).get_device_backend_map().items()}
 
 
-@pytest.fixture
-def world_of_one(tmp_path):
-    dist.init_process_group("cpu:gloo,cuda:gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+@pytest.mark.parametrize("spec", ["nccl", "gloo", "cpu:gloo,cuda:nccl", "cuda:nccl", "cpu:gloo,cuda:gloo", "cuda:gloo"])
+def test_parse_backends_reads_a_spec_as_torch_does(spec):
+    assert gdist.parse_backends(spec) == torch_reads(spec)
+
+
+def test_each_map_gives_the_devices_the_backends_they_need():
+    gpu = torch_reads(gdist.backend_map(gpu=True))
+    # a GPU run: NCCL for CUDA tensors (the gradients, the weight broadcast) and gloo for the CPU flag
+    assert gpu == {"cpu": "gloo", "cuda": "nccl"}
+    assert torch_reads(gdist.backend_map(gpu=False)) == {"cpu": "gloo", "cuda": "gloo"}  # gloo for everything
+    # the rehearsal: the GPU map with NCCL played by gloo and nothing else changed, so a missing CPU entry stays missing
+    assert torch_reads(gdist.backend_map(gpu=True, rehearse=True)) == {
+        d: "gloo" if b == "nccl" else b for d, b in gpu.items()}
+    assert torch_reads(gdist.rehearsal_backends("nccl")) == {"cuda": "gloo"}
+    assert torch_reads(gdist.rehearsal_backends("cpu:gloo,cuda:nccl")) == {"cpu": "gloo", "cuda": "gloo"}
+    # hosts sharing one GPU: NCCL cannot put two ranks on one device, so every device of the GPU map gets gloo
+    assert torch_reads(gdist.backend_map(gpu=True, shared_gpu=True)) == {d: "gloo" for d in gpu}
+
+
+def _rank(rank: int, store: str, out: str) -> None:
+    """One of two data-parallel ranks: the rehearsed pure-NCCL group refuses the CPU flag; the mapped group carries
+    it and averages the gradients (Host._grad_sync, as the actor's optimizer step calls it)."""
+    from gerl.engine.host import Host
+
+    dist.init_process_group(gdist.backend_map(gpu=True, rehearse=True), init_method=f"file://{store}", rank=rank,
+                            world_size=2)
     try:
-        yield
+        pure_nccl = dist.new_group([0, 1], backend=gdist.rehearsal_backends("nccl"))
+        try:
+            dist.all_reduce(torch.tensor([1.0]), group=pure_nccl)
+            refused = ""
+        except RuntimeError as e:
+            refused = str(e)
+        host = Host.__new__(Host)  # no Ray, no model: only the gradient sync under test
+        host.dp_group = gdist.new_group([0, 1], gdist.backend_map(gpu=True, rehearse=True))
+        a, b = torch.zeros(2, requires_grad=True), torch.zeros(1, requires_grad=True)
+        # rank 0: finite loss, grads (1, 2), no grad for b; rank 1: non-finite loss, grads (3, 6) and (4)
+        a.grad = torch.tensor([1.0, 2.0]) if rank == 0 else torch.tensor([3.0, 6.0])
+        b.grad = None if rank == 0 else torch.tensor([4.0])
+        loss_ok, grads_ok = host._grad_sync([a, b], loss_ok=rank == 0, grads_ok=True)
+        with open(f"{out}/{rank}.json", "w") as f:
+            json.dump({"refused": refused, "loss_ok": loss_ok, "grads_ok": grads_ok, "a": a.grad.tolist(),
+                       "b": b.grad.tolist()}, f)
     finally:
         dist.destroy_process_group()
 
 
-def test_a_cpu_flag_fails_on_the_rehearsed_pure_nccl_group_and_passes_on_the_gpu_map(world_of_one):
-    """The reviewer's crash (`No backend type associated with device type cpu`), reproduced without a GPU."""
-    pure_nccl = dist.new_group([0], backend=gdist.rehearsal_backends("nccl"))
-    with pytest.raises(RuntimeError, match="No backend type associated with device type cpu"):
-        dist.all_reduce(torch.tensor([1.0]), group=pure_nccl)
-    mapped = gdist.new_group([0], gdist.backend_map(gpu=True, rehearse=True))
-    flag = torch.tensor([1.0])
-    dist.all_reduce(flag, group=mapped)
-    assert flag.item() == 1.0
+def test_two_ranks_refuse_the_cpu_flag_on_pure_nccl_and_agree_on_the_gpu_map(tmp_path):
+    """The reviewer's crash (`No backend type associated with device type cpu`) reproduced without a GPU, and the
+    fix at work between two processes: both skip the step rank 1 could not take, and hold the mean gradient."""
+    # fork: the ranks inherit the imported torch instead of importing it again (seconds on a busy machine); they
+    # touch only tiny CPU tensors and leave through os._exit, so nothing of this process (Ray, atexit) runs in them
+    mp.start_processes(_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, start_method="fork")
+    got = [json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1)]
+    for g in got:
+        assert "No backend type associated with device type cpu" in g["refused"]
+        assert g["loss_ok"] is False and g["grads_ok"] is True  # one rank's bad loss stops both
+        assert g["a"] == [2.0, 4.0] and g["b"] == [2.0]  # ((1, 2) + (3, 6)) / 2; (0 + 4) / 2

@@ -98,7 +98,12 @@ def test_resume_mid_run_reissues_the_step_in_flight_with_its_version(tmp_path):
 def test_hybrid_on_ray(tmp_path):
     train(small_config(tmp_path, "max_steps=2", "engine.kind=ray", "engine.hybrid=true", "engine.device=cpu",
                        "engine.cpus_per_worker=2"))
-    assert [r["policy_lag"] for r in _rows(tmp_path)] == [0, 0]
+    rows = _rows(tmp_path)
+    assert [r["policy_lag"] for r in rows] == [0, 0] and [r["policy_version"] for r in rows] == [0, 1]
+    # Lag 0 is more than a version number: step 2 was generated with the weights step 1 trained, so before its
+    # update the actor's log-probs of those very transitions are the rollout's, up to fp32 rounding (1.2e-7 here;
+    # a rollout left on its own copy of the weights gives 3.4e-4)
+    assert rows[0]["grad_norm"] > 0 and all(r["ratio_max_dev_before_update"] < 1e-5 for r in rows)
 
 
 def test_misplacement_names_the_numbers(tmp_path):

@@ -24,15 +24,40 @@ def two_nodes():
     cluster.shutdown()
 
 
+def _weights(handles, method: str) -> list[dict]:
+    return ray.get([getattr(h, method).remote() for h in handles])
+
+
 @pytest.mark.parametrize("launcher", DECOUPLED)
-def test_two_node_rehearsal(launcher, tmp_path, two_nodes, capfd):
+def test_two_node_rehearsal(launcher, tmp_path, two_nodes, capfd, monkeypatch):
+    """Around every weight sync: before it a rollout holds other weights than actor 0 (there is something to move),
+    after it every rollout holds actor 0's exactly, and every data-parallel actor holds them too (the gradient
+    all-reduce); one of those exchanges crosses the two nodes, whichever way Ray placed the hosts."""
+    import torch
+
+    from gerl.engine.ray_engine import RayEngine
+
+    checks, real_sync = [], RayEngine.sync
+
+    def sync(engine):
+        before = _weights(engine.rollouts, "rollout_weights")
+        actors = _weights(engine.actors, "actor_weights")
+        seconds = real_sync(engine)
+        equal = lambda a, b: all(torch.equal(a[k], b[k]) for k in a)  # noqa: E731
+        checks.append({"to_move": any(not equal(actors[0], w) for w in before), "rollouts": engine.weights_equal(),
+                       "actors": all(equal(actors[0], w) for w in actors[1:])})
+        return seconds
+
+    monkeypatch.setattr(RayEngine, "sync", sync)
     rehearse(launcher, tmp_path)
     hosts = check_rehearsal(launcher, tmp_path, capfd.readouterr().err)
     # check_rehearsal: each host on its own (node, GPU), the data-parallel group's backend map, a real first update
     nodes = {h["host"]: h["node"] for h in hosts}
     assert len(set(nodes.values())) == 2, f"the hosts span both nodes: {nodes}"
     assert rows(tmp_path)[2]["policy_lag"] == 1
-    if sum("actor" in h["roles"] for h in hosts) == 1:
-        # the actor's weights reached a rollout on the other node (policy_lag 1 means step 2 trained on them); two
-        # data-parallel actors may share a node or not (Ray has done both)
-        assert any(nodes[h] != nodes["actor0"] for h in ("rollout0", "rollout1"))
+    # the start-up sync (the rollouts already hold the initial weights), then one after each of the 2 steps
+    assert len(checks) == 3 and all(c["rollouts"] and c["actors"] for c in checks), checks
+    assert [c["to_move"] for c in checks[1:]] == [True, True], checks
+    # actor 0 sends the weights to every rollout, and its gradients meet every other actor's
+    exchanges = [("actor0", h) for h in nodes if h != "actor0"]
+    assert any(nodes[a] != nodes[b] for a, b in exchanges), f"no exchange crossed the nodes: {nodes}"

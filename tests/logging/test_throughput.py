@@ -175,9 +175,33 @@ def test_mfu_and_peaks():
     assert peak_tflops_for("Some Future GPU", "bf16") == 0.0
 
 
-def test_peak_memory_on_cpu_is_the_process_rss():
+def _proc_status_gib(key: str) -> float:
+    """A /proc/self/status line such as "VmHWM:  123456 kB", in GiB: the kernel's own count, read without getrusage."""
+    with open("/proc/self/status") as f:
+        kib = next(int(line.split()[1]) for line in f if line.startswith(f"{key}:"))
+    return kib / 2**20
+
+
+def test_peak_memory_is_the_process_peak_rss_in_gib(monkeypatch):
+    """On CPU: the peak resident set size, which the kernel also reports as VmHWM — so a wrong unit (KiB read as
+    bytes or MiB) or a factor of 2 fails; it is at least what the process holds now. On CUDA: the allocator's peak."""
+    import resource
+
+    import gerl.logging.throughput as tp
+
     gib = peak_memory_gib(None)
-    assert 0.01 < gib < 64
+    assert gib == pytest.approx(_proc_status_gib("VmHWM"), rel=0.05) and gib >= _proc_status_gib("VmRSS") * 0.95
+    assert peak_memory_gib("cpu") == pytest.approx(gib, rel=0.05)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 3 * 2**30 + 2**29)  # bytes
+    assert peak_memory_gib("cuda:0") == 3.5
+    # macOS reports ru_maxrss in bytes, Linux in KiB
+    usage = lambda maxrss: lambda who: type("Usage", (), {"ru_maxrss": maxrss})  # noqa: E731
+    monkeypatch.setattr(tp.sys, "platform", "darwin")
+    monkeypatch.setattr(resource, "getrusage", usage(3 * 2**30))
+    assert peak_memory_gib(None) == 3.0
+    monkeypatch.setattr(tp.sys, "platform", "linux")
+    monkeypatch.setattr(resource, "getrusage", usage(3 * 2**20))
+    assert peak_memory_gib(None) == 3.0
 
 
 def test_model_config_for_reads_a_directory_as_diffusers_does(tiny_pipe, tiny_dir, tmp_path):
