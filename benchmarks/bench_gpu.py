@@ -461,7 +461,8 @@ def print_extras(summary: dict) -> None:
     if "ratio_check" in summary:
         r = summary["ratio_check"]
         for mb, dev in r["max_abs_ratio_minus_1"].items():
-            flag = "EXCEEDS" if dev > r["bound"] else "within"
+            # NaN (every loss non-finite: the ratio was never measured) must not read as "within"
+            flag = "within" if dev <= r["bound"] else "EXCEEDS" if dev > r["bound"] else "NOT MEASURED (NaN) for"
             print(f"ratio check: rollout micro-batch {r['rollout_micro_batch']}, training micro-batch {mb}: "
                   f"max |ratio - 1| = {dev:.3e} ({flag} bound {r['bound']:g})")
         if "grad_check" in r:
