@@ -207,7 +207,7 @@ def smoke(ctx: Ctx) -> None:
         raise PhaseFailed(f"the update took {m['optimizer_steps']} optimizer step(s), grad_norm {m['grad_norm']}")
 
 
-@phase("rollout", cap_s=150, rehearse_cap_s=120, h100_estimate_s=75,
+@phase("rollout", cap_s=150, rehearse_cap_s=120, h100_estimate_s=85,
        what="images/s of our rollout vs stock StableDiffusion3Pipeline.__call__, micro-batch x guidance x LoRA")
 def rollout(ctx: Ctx) -> None:
     from gerl.config import ModelConfig
@@ -236,7 +236,7 @@ def rollout(ctx: Ctx) -> None:
     n["bar"] = ctx.bench.STOCK_BAR
 
 
-@phase("train", cap_s=90, rehearse_cap_s=90, h100_estimate_s=30,
+@phase("train", cap_s=90, rehearse_cap_s=90, h100_estimate_s=40,
        what="one actor update at GeRL's settings: seconds and peak memory, checkpointing off and on, vs gerl plan")
 def train(ctx: Ctx) -> None:
     import torch
@@ -299,7 +299,7 @@ def train_plan(ctx: Ctx, images: int) -> dict:
     return out
 
 
-@phase("step", cap_s=150, rehearse_cap_s=150, h100_estimate_s=75, needs=("torch", "diffusers", "rapidocr"),
+@phase("step", cap_s=150, rehearse_cap_s=150, h100_estimate_s=70, needs=("torch", "diffusers", "rapidocr"),
        what="one whole step of GeRL's row (OCR reward on CPU threads), then DiffusionNFT's and AWM's recipes")
 def step(ctx: Ctx) -> None:
     from _gpu_day_step import whole_step

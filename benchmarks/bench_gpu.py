@@ -29,21 +29,14 @@ stage with CUDA syncs. After the timed steps, at the final weights:
   torch.cuda.max_memory_allocated, reset on entering each stage (n/a on a CPU, which reports its peak RSS); on
   the whole model each stage's transient (peak − allocated on entry) beside `gerl plan`'s prediction for it.
 
-The day a GPU is lent, two commands (a ~5 min and a ~4 min run):
+The day a GPU is lent, one prepared call runs this benchmark's parts phase by phase, each guarded and saved as it
+ends: `bash scripts/gpu_day.sh "$OUT"` (benchmarks/gpu_day.py; the device call is in docs/offline_install.md).
+Run alone, this file prints each part as soon as it is measured and, with --out, rewrites the JSON after each:
 
     python -m benchmarks gpu --with-reward both --text-encoders --out bench_gpu.json
     python -m benchmarks gpu --launchers --out bench_launchers.json
 
-On this project's lent GPU machines (no network, ~64 MiB per call, CUDA torch in the image), first
-`python scripts/gpu_bundles.py --out .whl` here; then consecutive device calls, each carrying one bundle while the
-machine stays up (rehearsed on CPU in a venv holding only the image's packages, docs/offline_install.md):
-
-    carry [".whl/bundle1"]:  . scripts/gpu_env.sh || true          # Ray and small dependencies, ~49 MB
-    carry [".whl/bundle2"]:  . scripts/gpu_env.sh && python -m benchmarks gpu --with-reward both --text-encoders
-                                 --out $OUT/bench_gpu.json          # diffusers and rapidocr, ~34 MB
-    no carry:                . scripts/gpu_env.sh && python -m benchmarks gpu --launchers --out $OUT/bench_launchers.json
-
-The second runs each of the five run_sd3_fast_*.sh launchers for 2 steps on this one GPU, each host on a share of it
+--launchers runs each of the five run_sd3_fast_*.sh launchers for 2 steps on this one GPU, each host on a share of it
 (engine.gpus_per_worker = 1/hosts), on ocr-mini at 64 px (benchmarks/bench_gpu_launchers.py): grad_norm > 0 and
 max |ratio − 1| ≤ 1e-3 at step 1, no CUDA context in the driver, each host's peak beside `gerl plan`'s. Add the
 fp16/bf16 gradient cosine on CUDA with `--dtype fp16 --steps 0 --no-stock` (which also runs the unscaled control).

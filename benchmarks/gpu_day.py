@@ -210,13 +210,15 @@ def child_main(args) -> int:
         import traceback
 
         traceback.print_exc()
-        save("failed", last_line(f"{type(e).__name__}: {e}"))
+        save("failed", error_line(e))
         return 1
 
 
-def last_line(text: str) -> str:
-    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
-    return (lines[-1] if lines else text)[:400]
+def error_line(e: BaseException) -> str:
+    """The traceback's closing line, `Type: message`, with the message's first line (a multi-line message's last
+    line is usually a hint, not what went wrong)."""
+    lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:400]
 
 
 def finite(x):
