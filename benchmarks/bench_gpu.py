@@ -29,21 +29,14 @@ stage with CUDA syncs. After the timed steps, at the final weights:
   torch.cuda.max_memory_allocated, reset on entering each stage (n/a on a CPU, which reports its peak RSS); on
   the whole model each stage's transient (peak − allocated on entry) beside `gerl plan`'s prediction for it.
 
-The day a GPU is lent, two commands (a ~5 min and a ~4 min run):
+The day a GPU is lent, one prepared call runs this benchmark's parts phase by phase, each guarded and saved as it
+ends: `bash scripts/gpu_day.sh "$OUT"` (benchmarks/gpu_day.py; the device call is in docs/offline_install.md).
+Run alone, this file prints each part as soon as it is measured and, with --out, rewrites the JSON after each:
 
     python -m benchmarks gpu --with-reward both --text-encoders --out bench_gpu.json
     python -m benchmarks gpu --launchers --out bench_launchers.json
 
-On this project's lent GPU machines (no network, ~64 MiB per call, CUDA torch in the image), first
-`python scripts/gpu_bundles.py --out .whl` here; then consecutive device calls, each carrying one bundle while the
-machine stays up (rehearsed on CPU in a venv holding only the image's packages, docs/offline_install.md):
-
-    carry [".whl/bundle1"]:  . scripts/gpu_env.sh || true          # Ray and small dependencies, ~49 MB
-    carry [".whl/bundle2"]:  . scripts/gpu_env.sh && python -m benchmarks gpu --with-reward both --text-encoders
-                                 --out $OUT/bench_gpu.json          # diffusers and rapidocr, ~34 MB
-    no carry:                . scripts/gpu_env.sh && python -m benchmarks gpu --launchers --out $OUT/bench_launchers.json
-
-The second runs each of the five run_sd3_fast_*.sh launchers for 2 steps on this one GPU, each host on a share of it
+--launchers runs each of the five run_sd3_fast_*.sh launchers for 2 steps on this one GPU, each host on a share of it
 (engine.gpus_per_worker = 1/hosts), on ocr-mini at 64 px (benchmarks/bench_gpu_launchers.py): grad_norm > 0 and
 max |ratio − 1| ≤ 1e-3 at step 1, no CUDA context in the driver, each host's peak beside `gerl plan`'s. Add the
 fp16/bf16 gradient cosine on CUDA with `--dtype fp16 --steps 0 --no-stock` (which also runs the unscaled control).
@@ -138,7 +131,14 @@ class RandomEmbedder:
 
         pairs = [one(i) for i in range(len(prompts))]
         to = lambda t: t.to(self.device, self.dtype)  # noqa: E731
-        return Embeds(to(torch.stack([p for p, _ in pairs])), to(torch.stack([q for _, q in pairs])))
+        if not with_negative:
+            return Embeds(to(torch.stack([p for p, _ in pairs])), to(torch.stack([q for _, q in pairs])))
+        # classifier-free guidance: the empty prompt's embeddings (the same for every sample) as the negative pair
+        neg_p, neg_q = (lambda g: (torch.randn(self.text_len, self.width, generator=g),
+                                   torch.randn(self.pooled, generator=g)))(torch.Generator().manual_seed(zlib.crc32(b"")))
+        n = len(prompts)
+        return Embeds(to(torch.stack([p for p, _ in pairs])), to(torch.stack([q for _, q in pairs])),
+                      to(neg_p.expand(n, -1, -1)), to(neg_q.expand(n, -1)))
 
 
 def sd35_transformer(layers: int | None, device: torch.device, dtype: torch.dtype):
@@ -201,7 +201,8 @@ def build(args, device: torch.device):
         embedder = RandomTokenEmbedder(list(encoders.values()), token_lengths, device)
     else:
         embedder = RandomEmbedder(text_len, width, transformer.config.pooled_projection_dim, device, dtype)
-    add_lora(transformer, args.lora_rank, 2.0 * args.lora_rank, ModelConfig().lora_targets)
+    if args.lora_rank > 0:  # 0: no adapter at all (gpu_day's rollout phase measures both)
+        add_lora(transformer, args.lora_rank, 2.0 * args.lora_rank, ModelConfig().lora_targets)
     return SimpleNamespace(transformer=transformer, vae=vae, scheduler=scheduler, encoders=encoders), embedder, text_len
 
 
@@ -243,7 +244,7 @@ def run_step(step: int, mode: str, ctx) -> dict:
     for sl in micro_batches(len(prompts), s.micro_batch_size):
         ta = time.perf_counter()
         with peaks.stage("encode"):
-            emb = ctx.embedder(prompts[sl])
+            emb = ctx.embedder(prompts[sl], with_negative=s.guidance_scale > 1.0)
             tb = sync(dev)
         noise, gens = latent_noise([sample_seed(0, step, i) for i in range(sl.start, sl.stop)], ctx.latent_shape)
         with peaks.stage("rollout"):
@@ -313,12 +314,15 @@ def stock_pipeline(pipe):
 
 
 def stock_rollout(ctx, stock, embeds: list[Embeds], step: int) -> list:
-    """The stock pipeline on the same embeddings, steps, resolution, micro-batches and per-sample noise generators."""
-    images = []
+    """The stock pipeline on the same embeddings (negative ones too when guided), guidance, steps, resolution,
+    micro-batches and per-sample noise generators."""
+    images, g = [], ctx.sampling.guidance_scale
     for sl, emb in zip(micro_batches(ctx.images, ctx.sampling.micro_batch_size), embeds):
         # the generators latent_noise seeds for our rollout, fresh: the pipeline draws the same initial noise
         gens = [torch.Generator("cpu").manual_seed(sample_seed(0, step, i)) for i in range(sl.start, sl.stop)]
-        images += stock(prompt_embeds=emb.prompt, pooled_prompt_embeds=emb.pooled, guidance_scale=1.0,
+        negative = ({"negative_prompt_embeds": emb.neg_prompt, "negative_pooled_prompt_embeds": emb.neg_pooled}
+                    if g > 1.0 else {})
+        images += stock(prompt_embeds=emb.prompt, pooled_prompt_embeds=emb.pooled, guidance_scale=g, **negative,
                         num_inference_steps=ctx.sampling.num_steps, height=ctx.args.resolution,
                         width=ctx.args.resolution, generator=gens, output_type="pil").images
     return images
@@ -327,7 +331,9 @@ def stock_rollout(ctx, stock, embeds: list[Embeds], step: int) -> list:
 def step_embeds(ctx, step: int) -> list[Embeds]:
     """Step `step`'s prompt embeddings, one Embeds per rollout micro-batch."""
     prompts, _, _ = step_prompts(ctx, step)
-    return [ctx.embedder(prompts[sl]) for sl in micro_batches(ctx.images, ctx.sampling.micro_batch_size)]
+    guided = ctx.sampling.guidance_scale > 1.0
+    return [ctx.embedder(prompts[sl], with_negative=guided)
+            for sl in micro_batches(ctx.images, ctx.sampling.micro_batch_size)]
 
 
 def compare_stock(ctx, embeds: list[Embeds], reps: int, warmup: int = 1) -> tuple[dict, list[Trajectory]]:
@@ -387,12 +393,22 @@ def memory_report(ctx) -> dict:
     """Resident GiB per component and optimizer state, and each stage's peak (None on a CPU device)."""
     modules = {"transformer": ctx.pipe.transformer, "vae": ctx.pipe.vae, **ctx.pipe.encoders}
     weights = {name: module_gib(m) for name, m in modules.items()}
-    weights["lora_in_transformer"] = sum(p.numel() * p.element_size() for p in ctx.actor.params) / 2**30
-    weights["optimizer_state"] = optimizer_state_gib(ctx.actor.optimizer)
+    if ctx.actor is not None:
+        weights["lora_in_transformer"] = sum(p.numel() * p.element_size() for p in ctx.actor.params) / 2**30
+        weights["optimizer_state"] = optimizer_state_gib(ctx.actor.optimizer)
     return {"weights_gib": weights, "stage_peak_gib": dict(ctx.peaks.peaks),
-            "stage_transient_gib": dict(ctx.peaks.transient), "planned_transient_gib": planned_transients(ctx),
+            "stage_transient_gib": dict(ctx.peaks.transient), **guarded_plan(ctx),
             "run_peak_gib": ctx.peaks.overall if ctx.peaks.cuda else peak_memory_gib(ctx.device),
             "peak_kind": "cuda max_memory_allocated" if ctx.peaks.cuda else "process peak RSS (CPU)"}
+
+
+def guarded_plan(ctx) -> dict:
+    """{"planned_transient_gib": ...}, or {} plus "plan_error" (its last line) when `gerl plan` raises: the plan
+    runs on fake tensors through torch internals, and its failure must not lose the measured numbers."""
+    try:
+        return {"planned_transient_gib": planned_transients(ctx)}
+    except Exception as e:  # noqa: BLE001 — any failure of the prediction; the measurement stands without it
+        return {"planned_transient_gib": {}, "plan_error": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
 
 
 # bench stage → `gerl plan`'s phase (its transient: peak − allocated on entry, at the same micro-batch)
@@ -450,28 +466,37 @@ def control_line(g: dict) -> str:
             f"(fp32 {c['reference_zero_fraction']:.2%}), |g|/|g_fp32| {c['norm_ratio']:.4g}")
 
 
-def print_extras(summary: dict) -> None:
+def stock_line(c: dict) -> str:
+    verdict = "ok" if c["ratio"] >= STOCK_BAR else f"BELOW {STOCK_BAR}"
+    return (f"rollout vs stock StableDiffusion3Pipeline (output_type={c['output_type']}, same embeddings, "
+            f"median of {c['reps']}): ours {c['ours_images_per_s']:.3f} images/s, stock "
+            f"{c['stock_images_per_s']:.3f} images/s, ours/stock {c['ratio']:.3f} ({verdict}, bar {STOCK_BAR})")
+
+
+def ratio_verdict(dev: float, bound: float) -> str:
+    # NaN (every loss non-finite: the ratio was never measured) must not read as "within"
+    return "within" if dev <= bound else "EXCEEDS" if dev > bound else "NOT MEASURED (NaN) for"
+
+
+def ratio_lines(r: dict, emulated: bool) -> list[str]:
+    lines = [f"ratio check: rollout micro-batch {r['rollout_micro_batch']}, training micro-batch {mb}: "
+             f"max |ratio - 1| = {dev:.3e} ({ratio_verdict(dev, r['bound'])} bound {r['bound']:g})"
+             for mb, dev in r["max_abs_ratio_minus_1"].items()]
+    if "grad_check" in r:
+        lines.append(grad_check_line(r["grad_check"], emulated))
+        if "control" in r["grad_check"]:
+            lines.append(control_line(r["grad_check"]))
+    return lines
+
+
+def memory_lines(m: dict) -> list[str]:
     gib = lambda v: "n/a" if v is None else f"{v:.3g}"  # noqa: E731
-    if "stock" in summary:
-        c = summary["stock"]
-        verdict = "ok" if c["ratio"] >= STOCK_BAR else f"BELOW {STOCK_BAR}"
-        print(f"rollout vs stock StableDiffusion3Pipeline (output_type={c['output_type']}, same embeddings, "
-              f"median of {c['reps']}): ours {c['ours_images_per_s']:.3f} images/s, stock "
-              f"{c['stock_images_per_s']:.3f} images/s, ours/stock {c['ratio']:.3f} ({verdict}, bar {STOCK_BAR})")
-    if "ratio_check" in summary:
-        r = summary["ratio_check"]
-        for mb, dev in r["max_abs_ratio_minus_1"].items():
-            flag = "EXCEEDS" if dev > r["bound"] else "within"
-            print(f"ratio check: rollout micro-batch {r['rollout_micro_batch']}, training micro-batch {mb}: "
-                  f"max |ratio - 1| = {dev:.3e} ({flag} bound {r['bound']:g})")
-        if "grad_check" in r:
-            print(grad_check_line(r["grad_check"], summary["fp16_gemm_emulation"]))
-            if "control" in r["grad_check"]:
-                print(control_line(r["grad_check"]))
-    m = summary["memory"]
-    print("memory weights GiB: " + ", ".join(f"{k} {gib(v)}" for k, v in m["weights_gib"].items()))
-    print("memory stage peaks GiB: " + ", ".join(f"{k} {gib(v)}" for k, v in m["stage_peak_gib"].items())
-          + f"; run peak {gib(m['run_peak_gib'])} ({m['peak_kind']})")
+    lines = ["memory weights GiB: " + ", ".join(f"{k} {gib(v)}" for k, v in m["weights_gib"].items()),
+             "memory stage peaks GiB: " + ", ".join(f"{k} {gib(v)}" for k, v in m["stage_peak_gib"].items())
+             + f"; run peak {gib(m['run_peak_gib'])} ({m['peak_kind']})"]
+    if m.get("plan_error"):
+        lines.append(f"memory plan: `gerl plan` failed ({m['plan_error']}); the measured numbers above stand")
+    return lines
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, str | None]:
@@ -553,16 +578,15 @@ def main(argv: list[str] | None = None) -> int:
               "--with-reward none)",
               file=sys.stderr)
         return 2
-    emulate = device.type == "cpu" and args.dtype == "fp16"
+    emulate = args.emulated = device.type == "cpu" and args.dtype == "fp16"
     if emulate:
         print("bench_gpu: fp16 GEMM emulation ON (CPU): fp16 mm/addmm/bmm/baddbmm and the flash-attention backward "
               "run in fp32 and round each output to fp16 once, as a GPU's fp32-accumulating fp16 GEMM does "
               "(gerl/numerics.py); activations, inter-layer gradients and casts stay real fp16")
     with Fp16GemmEmulation() if emulate else contextlib.nullcontext() as emulation:
         summary = run(args, device)
-    summary["fp16_gemm_emulation"] = emulate
     summary["fp16_gemm_emulated_calls"] = emulation.calls if emulate else 0
-    print_extras(summary)
+    print("\n".join(memory_lines(summary["memory"])))
     print(f"peak memory {summary['peak_mem_gib']:.1f} GiB; total wall {summary['wall_s']:.0f} s")
     print("BENCH_JSON " + json.dumps(summary))
     if args.out is not None:
@@ -599,8 +623,10 @@ def launchers(args, device: torch.device) -> int:
     return 0 if all(r.get("ok") for r in rows) else 1
 
 
-def run(args, device: torch.device) -> dict:
-    """Build, the timed steps, the stock comparison, the ratio check: the summary (printed as it goes)."""
+def make_ctx(args, device: torch.device, sampling_changes: dict | None = None):
+    """Build the model (bench_gpu.build) and everything a step needs: the namespace run_step, compare_stock and
+    ratio_check read (gpu_day's phases build theirs with it too). `sampling_changes` override the sampling config
+    (e.g. guidance_scale). With --lora-rank 0 there is no adapter and no actor."""
     images = args.prompts * args.group_size
     micro = min(8, images)
     pipe, embedder, text_len = build(args, device)
@@ -608,10 +634,11 @@ def run(args, device: torch.device) -> dict:
         torch.cuda.reset_peak_memory_stats(device)  # building T5-XXL peaks at its fp32 size; not a step's memory
     sampling = SamplingConfig(sampler="cps", num_steps=args.num_steps, noise_level=0.8, sde_window_size=args.sde_window,
                               sde_window_range=list(args.sde_window_range), micro_batch_size=micro, guidance_scale=1.0)
+    sampling = dataclasses.replace(sampling, **(sampling_changes or {}))
     train = TrainConfig(learning_rate=1e-4, mini_batch_size=min(32, images), micro_batch_size=micro, clip_range=1e-4,
                         fp16_loss_scale=0.0 if args.no_loss_scale else TrainConfig.fp16_loss_scale)
-    actor = ActorWorker(pipe.transformer, train, ModelConfig(lora=True, lora_rank=args.lora_rank), sampling,
-                        max_steps=1000, images_per_step=images, seed=0)
+    actor = (ActorWorker(pipe.transformer, train, ModelConfig(lora=True, lora_rank=args.lora_rank), sampling,
+                         max_steps=1000, images_per_step=images, seed=0) if args.lora_rank > 0 else None)
     vae_factor = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
     rewards = None
     if args.with_reward != "none":
@@ -620,11 +647,19 @@ def run(args, device: torch.device) -> dict:
 
         comps = reward_components(RewardConfig(name="ocr", workers=args.reward_workers))
         rewards = RewardSet(comps, [build_reward(c.name, c.kwargs) for c in comps], 120.0, 0, 0.5)
-    ctx = SimpleNamespace(args=args, device=device, pipe=pipe, embedder=embedder, sampling=sampling, train=train,
-                          actor=actor, rewards=rewards, schedule=make_schedule(pipe.scheduler.config, sampling.num_steps),
-                          latent_shape=(pipe.transformer.config.in_channels, args.resolution // vae_factor,
-                                        args.resolution // vae_factor),
-                          prompts=load_prompts(REPO / "assets/ocr/train.txt"), images=images, peaks=StagePeaks(device))
+    return SimpleNamespace(args=args, device=device, pipe=pipe, embedder=embedder, sampling=sampling, train=train,
+                           actor=actor, rewards=rewards, schedule=make_schedule(pipe.scheduler.config, sampling.num_steps),
+                           latent_shape=(pipe.transformer.config.in_channels, args.resolution // vae_factor,
+                                         args.resolution // vae_factor), text_len=text_len, vae_factor=vae_factor,
+                           prompts=load_prompts(REPO / "assets/ocr/train.txt"), images=images, peaks=StagePeaks(device))
+
+
+def run(args, device: torch.device) -> dict:
+    """Build, the timed steps, the stock comparison, the ratio check, memory: the summary. Each part is printed as
+    soon as it is measured and, with --out, the summary so far is written after each, so that a later failure
+    (the last part runs `gerl plan`, which leans on torch internals; it is also guarded) loses nothing before it."""
+    ctx = make_ctx(args, device)
+    pipe, sampling, train, images, micro = ctx.pipe, ctx.sampling, ctx.train, ctx.images, ctx.sampling.micro_batch_size
     modes = ["off", "on"] if args.with_reward == "both" else [args.with_reward]
     t_start = time.perf_counter()
     for w in range(args.warmup):
@@ -633,43 +668,55 @@ def run(args, device: torch.device) -> dict:
     for i in range(args.steps * len(modes)):
         mode = modes[i % len(modes)]
         rows[mode].append(run_step(i, mode, ctx))
-    if rewards is not None:
-        rewards.close()
-    extras: dict = {}
-    if args.ratio_check and args.grad_check and perturb_fresh_lora(pipe.transformer):
-        print("gradient check: the fresh adapter's lora_B drawn from N(0, 1e-3²), seed 0 (at B = 0, grad A = 0)")
-    embeds = step_embeds(ctx, 0) if args.stock or args.ratio_check else None
-    trajs = None
-    if args.stock:
-        extras["stock"], trajs = compare_stock(ctx, embeds, args.stock_reps)
-    if args.ratio_check:
-        trajs = trajs or our_rollout(ctx, embeds, 0, images_too=False)[0]
-        extras["ratio_check"] = ratio_check(ctx, embeds, trajs, tuple(sorted({min(4, micro), micro})), args.grad_check)
+    if ctx.rewards is not None:
+        ctx.rewards.close()
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     peak = peak_tflops_for(name, args.dtype)
     trained = rows[modes[0]][0]["trained_steps"] if args.steps else len(step_window(ctx, 0))
-    flops = flow_grpo_step_flops(dict(pipe.transformer.config), resolution=args.resolution, text_len=text_len,
+    flops = flow_grpo_step_flops(dict(pipe.transformer.config), resolution=args.resolution, text_len=ctx.text_len,
                                  images=images, num_steps=sampling.num_steps, guidance_scale=sampling.guidance_scale,
-                                 trained_steps=trained, inner_epochs=train.inner_epochs, vae_scale_factor=vae_factor)
+                                 trained_steps=trained, inner_epochs=train.inner_epochs, vae_scale_factor=ctx.vae_factor)
     model = "tiny SD3" if args.tiny else "SD3.5-M architecture (random weights)"
     if args.layers is not None:
         model += f", {args.layers} of 24 blocks"
     print(f"{model} in {args.dtype} on {name}: {args.prompts}×{args.group_size} images at {args.resolution}px, "
           f"micro-batch {micro}, {sampling.num_steps} steps, CPS window {sampling.sde_window_size} in "
-          f"{sampling.sde_window_range}, LoRA r{args.lora_rank}, {text_len} text tokens, "
+          f"{sampling.sde_window_range}, LoRA r{args.lora_rank}, {ctx.text_len} text tokens, "
           f"{'text encoders on random token ids' if args.text_encoders else 'random embeddings'}; "
           f"{args.steps} timed step(s) per mode after {args.warmup} warm-up; medians")
     print(f"transformer FLOPs per step: rollout {flops['rollout'] / 1e12:.4g} T, train {flops['train'] / 1e12:.4g} T; "
-          f"device peak {peak:g} TFLOP/s")
+          f"device peak {peak:g} TFLOP/s", flush=True)
     summary = {"device": name, "dtype": args.dtype, "layers": pipe.transformer.config.num_layers,
-               "images_per_step": images, "resolution": args.resolution, "text_len": text_len, "peak_tflops": peak,
+               "images_per_step": images, "resolution": args.resolution, "text_len": ctx.text_len, "peak_tflops": peak,
                "text_encoders": args.text_encoders, "step_tflop": flops["total"] / 1e12,
+               "fp16_gemm_emulation": getattr(args, "emulated", False),
                "modes": step_table(rows, flops, peak, images) if args.steps else {}}
-    summary.update(extras, memory=memory_report(ctx))
+    save_partial(args, summary)
+
+    if args.ratio_check and args.grad_check and perturb_fresh_lora(pipe.transformer):
+        print("gradient check: the fresh adapter's lora_B drawn from N(0, 1e-3²), seed 0 (at B = 0, grad A = 0)")
+    embeds = step_embeds(ctx, 0) if args.stock or args.ratio_check else None
+    trajs = None
+    if args.stock:
+        summary["stock"], trajs = compare_stock(ctx, embeds, args.stock_reps)
+        print(stock_line(summary["stock"]), flush=True)
+        save_partial(args, summary)
+    if args.ratio_check:
+        trajs = trajs or our_rollout(ctx, embeds, 0, images_too=False)[0]
+        summary["ratio_check"] = ratio_check(ctx, embeds, trajs, tuple(sorted({min(4, micro), micro})), args.grad_check)
+        print("\n".join(ratio_lines(summary["ratio_check"], summary["fp16_gemm_emulation"])), flush=True)
+        save_partial(args, summary)
+    summary["memory"] = memory_report(ctx)
     summary["peak_mem_gib"] = summary["memory"]["run_peak_gib"]
     summary["wall_s"] = time.perf_counter() - t_start  # after building
     return summary
+
+
+def save_partial(args, summary: dict) -> None:
+    """With --out: the summary measured so far (a later exception then loses nothing already measured)."""
+    if args.out is not None:
+        args.out.write_text(json.dumps({**summary, "partial": True}, indent=1) + "\n")
 
 
 def step_table(rows: dict[str, list[dict]], flops: dict, peak: float, images: int) -> dict:

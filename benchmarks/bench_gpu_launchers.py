@@ -23,10 +23,14 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _procgroup import run_group  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCHERS = ("1p_with_reward", "3p_a1_r2", "3p_a2_r1", "3p_hybrid", "8p_hybrid_with_reward")
@@ -63,13 +67,23 @@ def launcher_args(name: str, model: str, data: Path, cuda: bool) -> tuple[list[s
 
 def run_launcher(name: str, out: Path, model: str = "ocr-mini", data: Path = REPO / "assets" / "ocr_mini",
                  cuda: bool = True, timeout_s: int = 600) -> dict:
+    """Run one launcher for 2 steps and read its checks. It runs in its own process group: past `timeout_s`
+    bash, `gerl train` and its Ray processes are all killed (benchmarks/_procgroup.py), not bash alone, so nothing
+    of it keeps the GPU; the row then has exit None and says so."""
     cmd, hosts = launcher_args(name, model, data, cuda)
     t0 = time.perf_counter()
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env={**_env(), "OUT": str(out)})
-    row: dict = {"launcher": name, "hosts": hosts, "exit": r.returncode, "wall_s": time.perf_counter() - t0,
-                 "command": " ".join(cmd[2:])}
-    if r.returncode != 0:
-        row["error"] = r.stderr.strip().splitlines()[-1][:300] if r.stderr.strip() else "no output"
+    with tempfile.TemporaryFile() as log:
+        code, stragglers = run_group(cmd, timeout_s, env={**_env(), "OUT": str(out)}, stdout=log,
+                                     stderr=subprocess.STDOUT)
+        log.seek(0)
+        lines = log.read().decode(errors="replace").strip().splitlines()
+    row: dict = {"launcher": name, "hosts": hosts, "exit": code, "wall_s": time.perf_counter() - t0,
+                 "command": " ".join(cmd[2:]), "stragglers_killed": stragglers}
+    if code is None:
+        row["error"] = f"timed out after {timeout_s} s; its process group and every process it started were killed"
+        return row
+    if code != 0:
+        row["error"] = lines[-1][:300] if lines else "no output"
         return row
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     first = next(x for x in rows if x.get("step") == 1)

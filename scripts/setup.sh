@@ -59,5 +59,5 @@ quiet_pip() {  # pip install, showing its output only if it fails (minus this ma
 }
 
 python -c "import torch" 2>/dev/null || quiet_pip "${GERL_TORCH:-torch==2.13.0}"
-quiet_pip -e ".[dev]"
+quiet_pip -c scripts/pins.txt -e ".[dev]"  # pins.txt: the versions the GPU bundle carries (scripts/gpu_bundles.py)
 python -c "import gerl, rewards, torch, diffusers, ray; print(f'gerl ready: torch {torch.__version__}, diffusers {diffusers.__version__}')"

@@ -15,7 +15,7 @@ from gerl.config import AlgoConfig, ConventionsConfig, ModelConfig, SamplingConf
 from gerl.sampling.loop import replay_log_prob
 from gerl.sampling.steps import log_prob_as
 from gerl.workers.batch import RolloutBatch
-from gerl.workers.loss_scale import DynamicLossScaler
+from gerl.workers.loss_scale import DynamicLossScaler, grad_zero_fraction
 
 
 class EMA:
@@ -91,6 +91,7 @@ class ActorWorker:
                                            weight_decay=train.weight_decay, eps=train.adam_eps)
         self.mini = (train.mini_batch_size or images_per_step) // world  # samples per optimizer step on this rank
         self.grad_sync = grad_sync  # data parallel: averages gradients across ranks before each optimizer step
+        self._zero_fracs: list[float] = []  # grad_zero_fraction of each optimizer step since the last step_metrics
         # fp16 compute: dynamic loss scaling, or the gradients underflow to zero (gerl/workers/loss_scale.py)
         self.scaler = None
         if compute_dtype(transformer) == torch.float16 and train.fp16_loss_scale > 0:
@@ -148,13 +149,18 @@ class ActorWorker:
         grads_ok = self.scaler.unscale_(self.params) if self.scaler is not None else True
         if self.grad_sync is not None:
             loss_ok, grads_ok = self.grad_sync(self.params, loss_ok, grads_ok)
-        if self.scaler is not None:
-            self.scaler.update(overflow=not grads_ok)
+        # partial fp16 underflow shows here long before the whole gradient is zero (logged as grad_zero_frac)
+        self._zero_fracs.append(grad_zero_fraction(self.params))
         if self.cfg.max_grad_norm > 0:
             gn = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)
         else:
-            gn = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in self.params if p.grad is not None]))
-        if not loss_ok or not grads_ok or not torch.isfinite(gn):
+            norms = [p.grad.norm() for p in self.params if p.grad is not None]  # none at all when every loss was NaN
+            gn = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+        taken = loss_ok and grads_ok and bool(torch.isfinite(gn))
+        if self.scaler is not None:
+            # only a step actually taken is evidence that the scale is safe (a non-finite loss is skipped too)
+            self.scaler.update(overflow=not grads_ok, clean=taken)
+        if not taken:
             # A non-finite loss or gradient: drop this optimizer step rather than poison the weights
             # (under fp16 loss scaling an overflow is expected now and then: the scale halves).
             self.optimizer.zero_grad(set_to_none=True)
@@ -175,6 +181,9 @@ class ActorWorker:
             "learning_rate": self.optimizer.param_groups[0]["lr"],
             "trained_steps_per_sample": T,
         })
+        if self._zero_fracs:  # mean over this update's optimizer steps (taken or skipped)
+            metrics["grad_zero_frac"] = sum(self._zero_fracs) / len(self._zero_fracs)
+        self._zero_fracs = []
         if self.scaler is not None:
             metrics.update(loss_scale=self.scaler.scale, overflow_updates_skipped=skipped.get("overflow", 0),
                            overflow_updates_total=self.scaler.overflows)
@@ -253,6 +262,7 @@ class ActorWorker:
         count = 0
         max_dev = 0.0
         stepped = False  # has any optimizer step been taken in this update? (for the pre-update ratio check)
+        ratio_seen = False  # did any finite loss before the first step give the pre-update ratio a value?
         skipped: dict[str, int] = {}
         grad_norms = []
         self.transformer.train()
@@ -287,6 +297,7 @@ class ActorWorker:
                         if not stepped:
                             ratio = torch.exp(lp.detach() - old_lp)
                             max_dev = max(max_dev, float((ratio - 1).abs().max()))
+                            ratio_seen = True
                         for key, v in stats.items():
                             sums[key] = sums.get(key, 0.0) + float(v)
                         count += 1
@@ -297,7 +308,9 @@ class ActorWorker:
                 grad_norms.append(gn)
                 stepped = True
         metrics.update({k: v / max(count, 1) for k, v in sums.items()})
-        metrics["ratio_max_dev_before_update"] = max_dev
+        # every loss non-finite before the first step: the ratio was never measured, and NaN (not 0) says so, so
+        # that no "max |ratio - 1| <= bound" check passes on a run that computed nothing
+        metrics["ratio_max_dev_before_update"] = max_dev if ratio_seen else float("nan")
         return self.step_metrics(metrics, grad_norms, skipped, T)
 
     # ------------------------------------------------------------------ checkpoint state

@@ -37,12 +37,16 @@ class DynamicLossScaler:
         torch._foreach_mul_(grads, 1.0 / self.scale)
         return bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
 
-    def update(self, overflow: bool) -> None:
-        """After each optimizer step (taken or skipped): back off on an overflow, grow after a clean stretch."""
+    def update(self, overflow: bool, clean: bool = True) -> None:
+        """After each optimizer step (taken or skipped): back off on an overflow, grow after a clean stretch.
+        `clean=False` marks a step skipped for another reason (a non-finite loss, which the forward pass produced
+        before any scaling): it says nothing about the scale, so it neither backs off nor counts towards growth."""
         if overflow:
             self.scale *= self.backoff_factor
             self.clean_steps = 0
             self.overflows += 1
+            return
+        if not clean:
             return
         self.clean_steps += 1
         if self.clean_steps == self.growth_interval:
@@ -55,3 +59,15 @@ class DynamicLossScaler:
     def load_state_dict(self, state: dict) -> None:
         self.scale, self.clean_steps = float(state["scale"]), int(state["clean_steps"])
         self.overflows = int(state.get("overflows", 0))
+
+
+@torch.no_grad()
+def grad_zero_fraction(params: list[torch.nn.Parameter]) -> float:
+    """Fraction of the trainable gradient entries that are exactly zero (a parameter without a gradient counts as
+    all zeros). fp16 underflow flushes single entries to zero: a rising fraction shows partial underflow on a real
+    run, long before the whole gradient (and grad_norm) is zero."""
+    total = sum(p.numel() for p in params)
+    if total == 0:
+        return 0.0
+    nonzero = [torch.count_nonzero(p.grad) for p in params if p.grad is not None]
+    return 1.0 - (float(torch.stack(nonzero).sum()) / total if nonzero else 0.0)

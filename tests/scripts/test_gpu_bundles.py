@@ -9,6 +9,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 from tests.scripts import REPO, load_script
 
 gb = load_script("gpu_bundles")
@@ -51,13 +53,56 @@ def test_closure_skips_what_the_image_has_and_fetches_the_rest_once(tmp_path):
     assert fetched == ["a", "b", "c"] and got == [wheels["a"], wheels["b"], wheels["c"]]  # each once, none of the image's
 
 
-def test_pack_is_first_fit_decreasing_under_the_cap():
-    sizes = {"ray": 44, "rapidocr": 27, "diffusers": 6, "shapely": 3, "small": 1, "huge": 70}
-    bundles = gb.pack(sizes, 50)
-    # hand-worked: huge alone (over the cap), ray + diffusers (50), rapidocr + shapely + small (31)
-    assert bundles == [["huge"], ["ray", "diffusers"], ["rapidocr", "shapely", "small"]]
-    assert all(sum(sizes[n] for n in b) <= 50 for b in bundles[1:])
-    assert sorted(n for b in bundles for n in b) == sorted(sizes)
+def test_pins_are_read_and_every_fetch_asks_for_the_pinned_version(tmp_path, monkeypatch):
+    pin_file = tmp_path / "pins.txt"
+    pin_file.write_text("# comment\nDiffusers==0.42.1  # why\n\nrpds_py==2026.9.1\n")
+    assert gb.pins(pin_file) == {"diffusers": "0.42.1", "rpds-py": "2026.9.1"}
+    asked = []  # what pip would be asked to download (no network in the suite: the call is recorded and fails)
+    monkeypatch.setattr(gb.subprocess, "run", lambda cmd, **kw: (
+        asked.append(cmd[-1]), subprocess.CompletedProcess(cmd, 1, "", "no network here"))[1])
+    fetch = gb.PipFetch("3.12", tmp_path, gb.pins(pin_file))
+    with pytest.raises(SystemExit, match="no wheel of diffusers==0.42.1"):
+        fetch("diffusers")
+    assert asked == ["diffusers==0.42.1"]  # the pinned version, never the newest
+    with pytest.raises(SystemExit, match="unknown-pkg is not pinned; add `unknown-pkg==VERSION` to scripts/pins.txt"):
+        fetch("unknown-pkg")
+    assert asked == ["diffusers==0.42.1"]  # nothing fetched for an unpinned name
+
+
+def test_the_shipped_pins_cover_the_roots_and_are_what_this_venv_tests():
+    """scripts/pins.txt is what setup.sh installs CI with (-c): the suite's own venv has those versions."""
+    import importlib.metadata as md
+
+    pinned = gb.pins()
+    assert {"diffusers", "rapidocr", "ray"} <= set(pinned)
+    setup = (REPO / "scripts" / "setup.sh").read_text()
+    assert "-c scripts/pins.txt" in setup
+    for name in ("diffusers", "rapidocr", "ray"):
+        assert md.version(name) == pinned[name], name
+
+
+def test_a_requirement_the_image_cannot_satisfy_is_named(tmp_path):
+    w = make_wheel(tmp_path, "pkg", ["numpy<2.5", "torch>=2.4", "huggingface-hub<3,>=1.32", "other>=9"])
+    assert gb.image_conflicts(w, "3.12") == ["pkg-1.0-py3-none-any.whl needs numpy<2.5, the image has 2.5.2"]
+
+
+def test_stripping_rewrites_the_record_to_match(tmp_path):
+    """An ELF file stripped inside a wheel: RECORD's hash and size are those of the new bytes (pip checks them)."""
+    import base64
+    import hashlib
+    import shutil
+
+    elf = Path(shutil.which("true")).read_bytes()
+    w = make_wheel(tmp_path, "ray", files={"ray/core/raylet": elf, "ray/x.py": b"X = 1\n"})
+    (tmp_path / "slim").mkdir()
+    out = gb.slim_wheel(w, (), tmp_path / "slim", strip=True)
+    with zipfile.ZipFile(out) as z:
+        data = z.read("ray/core/raylet")
+        record = {ln.split(",")[0]: ln for ln in z.read("ray-1.0.dist-info/RECORD").decode().splitlines()}
+    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    assert data[:4] == b"\x7fELF" and len(data) <= len(elf)
+    assert record["ray/core/raylet"] == f"ray/core/raylet,sha256={digest},{len(data)}"
+    assert record["ray/x.py"] == "ray/x.py,,"  # untouched files keep their line
 
 
 def test_a_slimmed_wheel_installs_without_the_dropped_files(tmp_path):
@@ -79,13 +124,13 @@ def test_a_slimmed_wheel_installs_without_the_dropped_files(tmp_path):
 
 
 def test_gpu_env_installs_each_carried_wheel_once_and_puts_gerl_on_path(tmp_path):
-    """The device-side script in a copy of the checkout's scripts/: a first call carries bundle1, a second bundle2;
+    """The device-side script in a copy of the checkout's scripts/: a first call carries .whl/gpu, a second .whl/ray;
     each wheel is installed once, and `gerl --version` answers through the shim."""
     root = tmp_path / "checkout"
     (root / "scripts").mkdir(parents=True)
     (root / "scripts" / "gpu_env.sh").write_text((REPO / "scripts" / "gpu_env.sh").read_text())
-    (root / ".whl" / "bundle1").mkdir(parents=True)
-    make_wheel(root / ".whl" / "bundle1", "firstpkg")
+    (root / ".whl" / "gpu").mkdir(parents=True)
+    make_wheel(root / ".whl" / "gpu", "firstpkg")
     run = ["bash", "-c", f"cd {root} && . scripts/gpu_env.sh; echo rc=$?; python3 -c 'import firstpkg, secondpkg' "
                          f"2>&1 | tail -1; PYTHONPATH={REPO}:$PYTHONPATH gerl --version"]
     env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": str(tmp_path)}
@@ -93,8 +138,8 @@ def test_gpu_env_installs_each_carried_wheel_once_and_puts_gerl_on_path(tmp_path
     # this venv has torch, diffusers, ray and rapidocr, so the check passes and names their versions
     assert "rc=0" in first.stdout and "gpu_env: torch " in first.stdout, (first.stdout, first.stderr)
     assert "No module named 'secondpkg'" in first.stdout and "gerl" in first.stdout.splitlines()[-1]
-    (root / ".whl" / "bundle2").mkdir()
-    make_wheel(root / ".whl" / "bundle2", "secondpkg")
+    (root / ".whl" / "ray").mkdir()
+    make_wheel(root / ".whl" / "ray", "secondpkg")
     stamp = (root / ".site" / ".installed" / "firstpkg-1.0-py3-none-any.whl").stat().st_mtime_ns
     second = subprocess.run(run, capture_output=True, text=True, env=env)
     assert "No module named" not in second.stdout, second.stdout  # both bundles installed now

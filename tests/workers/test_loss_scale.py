@@ -1,5 +1,6 @@
 """fp16 dynamic loss scaling: the scaler's rule on hand-worked values, and the actor's use of it — gradients
-unscaled before anyone reads them, an overflow skipped (also when only another rank overflowed) and counted."""
+unscaled before anyone reads them, an overflow skipped (also when only another rank overflowed) and counted, a
+non-finite loss skipped without counting as a clean step, and the fraction of exactly-zero gradient entries."""
 
 import copy
 
@@ -8,7 +9,7 @@ import torch
 
 from gerl.config import ModelConfig, SamplingConfig, TrainConfig
 from gerl.workers.actor import ActorWorker, compute_dtype
-from gerl.workers.loss_scale import DynamicLossScaler
+from gerl.workers.loss_scale import DynamicLossScaler, grad_zero_fraction
 
 PROMPTS = ['a sign that says "42"'] * 2 + ['a sign that says "17"'] * 2
 GROUPS = torch.tensor([0, 0, 1, 1])
@@ -28,6 +29,13 @@ def test_unscale_divides_and_reports_non_finite():
         s.unscale_([q])
 
 
+def test_grad_zero_fraction_counts_exact_zeros_and_missing_gradients():
+    p, q, r = (torch.nn.Parameter(torch.zeros(n)) for n in (4, 3, 1))
+    p.grad, r.grad = torch.tensor([0.0, 1e-30, -0.0, 2.0]), torch.tensor([5.0])  # q has no gradient: 3 zeros
+    assert grad_zero_fraction([p, q, r]) == 5 / 8  # hand count: 0.0, -0.0 and q's three; 1e-30 is not zero
+    assert grad_zero_fraction([q]) == 1.0 and grad_zero_fraction([]) == 0.0
+
+
 def test_scale_halves_on_overflow_and_doubles_after_a_clean_stretch():
     s = DynamicLossScaler(init_scale=1024.0, growth_interval=3)
     s.update(overflow=True)
@@ -40,6 +48,13 @@ def test_scale_halves_on_overflow_and_doubles_after_a_clean_stretch():
     s.update(overflow=False)
     s.update(overflow=True)  # an overflow resets the stretch
     assert (s.scale, s.clean_steps) == (512.0, 0)
+    s.update(overflow=False)
+    s.update(overflow=False, clean=False)  # a step skipped for a non-finite loss: no evidence about the scale
+    assert (s.scale, s.clean_steps, s.overflows) == (512.0, 1, 2)
+    s.update(overflow=False)
+    s.update(overflow=False)
+    assert (s.scale, s.clean_steps) == (1024.0, 0)  # 3 clean steps, not counting the skipped one
+    s.scale, s.clean_steps = 512.0, 0
     t = DynamicLossScaler()
     t.load_state_dict(s.state_dict())
     assert t.state_dict() == {"scale": 512.0, "clean_steps": 0, "overflows": 2}
@@ -97,7 +112,7 @@ def _grads_of_update(transformer, cfg, batch, adv, scale, other_rank_overflows=F
     grads = []
 
     def grad_sync(params, loss_ok, grads_ok):  # the data-parallel hook: sees the gradients after unscaling
-        grads.append(torch.cat([p.grad.flatten().clone() for p in params]))
+        grads.append(torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten().clone() for p in params]))
         return loss_ok, grads_ok and not other_rank_overflows
 
     train = TrainConfig(micro_batch_size=4, learning_rate=1e-3, fp16_loss_scale=scale, max_grad_norm=0.0)
@@ -109,16 +124,46 @@ def _grads_of_update(transformer, cfg, batch, adv, scale, other_rank_overflows=F
     return grads[0], m, moved, actor
 
 
+# The gradient of a step's log-prob is a mean over the latent's elements: 16 × 8 × 8 at ocr-mini's 64 px against
+# 16 × 64 × 64 at 512 px, so ocr-mini's per-element gradients are ~64× larger than SD3.5's and fp16 keeps them
+# without any scaling (cosine 0.998 with fp32 at scale 1). Advantages × 1e-3 bring them down to the range of a 512 px
+# run, where fp16 flushes them to zero (measured: every entry zero without scaling, cosine 0.99998 with it).
+SMALL_ADVANTAGES = 1e-3
+
+
 def test_fp16_actor_gradients_are_unscaled_and_match_fp32(ocr_mini, lora_copy):
     tr16 = lora_copy(fp16=True)
     assert compute_dtype(tr16) == torch.float16
     cfg, batch, adv = _batch(ocr_mini, tr16)
+    adv = adv * SMALL_ADVANTAGES
     g32, _, _, _ = _grads_of_update(lora_copy(fp16=False), cfg, batch, adv, 65536.0)
+    assert (g32 != 0).all(), "the fp32 reference gradient is dense"
+    # the control: the same update with loss scaling off underflows — these gradients do need the scaling
+    g0, m0, _, actor0 = _grads_of_update(lora_copy(fp16=True), cfg, batch, adv, 0.0)
+    assert actor0.scaler is None and m0["grad_zero_frac"] > 0.99
+    assert torch.nn.functional.cosine_similarity(g0, g32, dim=0) < 0.5
     g16, m, moved, actor = _grads_of_update(tr16, cfg, batch, adv, 65536.0)
     assert actor.scaler is not None and m["loss_scale"] == 65536.0 and m["overflow_updates_skipped"] == 0
     assert moved and m["optimizer_steps"] == 1
     cos = torch.nn.functional.cosine_similarity(g16, g32, dim=0)
     assert cos > 0.99 and 0.9 < float(g16.norm() / g32.norm()) < 1.1, "unscaled: same direction and size as fp32"
+    # grad_zero_frac is the fraction of exactly-zero entries of the gradient the optimizer steps with
+    assert m["grad_zero_frac"] == pytest.approx(float((g16 == 0).double().mean()), abs=1e-12) and m["grad_zero_frac"] < 0.01
+    assert m0["grad_zero_frac"] == pytest.approx(float((g0 == 0).double().mean()), abs=1e-12)
+
+
+def test_all_nan_losses_fail_the_ratio_check_and_are_no_clean_scaler_step(ocr_mini, lora_copy):
+    """Every loss NaN (here NaN advantages): no step, counted as non-finite, the scale neither grows nor counts a
+    clean step, and the pre-update ratio reads NaN — a `<= bound` check cannot pass on it."""
+    tr16 = lora_copy(fp16=True)
+    cfg, batch, adv = _batch(ocr_mini, tr16)
+    _, m, moved, actor = _grads_of_update(tr16, cfg, batch, adv * float("nan"), 65536.0)
+    assert not moved and m["optimizer_steps"] == 0 and m["nonfinite_updates_skipped"] == 1
+    assert actor.scaler.state_dict() == {"scale": 65536.0, "clean_steps": 0, "overflows": 0}
+    dev = m["ratio_max_dev_before_update"]
+    assert dev != dev and not dev <= 1e-3  # NaN
+    _, ok, _, ok_actor = _grads_of_update(lora_copy(fp16=True), cfg, batch, adv, 65536.0)
+    assert ok["ratio_max_dev_before_update"] < 1e-3 and ok_actor.scaler.clean_steps == 1  # the same batch, finite
 
 
 def test_an_overflow_is_skipped_counted_and_halves_the_scale(ocr_mini, lora_copy):

@@ -1,0 +1,357 @@
+"""gpu_day's phases (benchmarks/gpu_day.py runs them): a registry in the order of value, one function each.
+
+A phase fills `ctx.numbers` (JSON-able) and calls `ctx.save()` after each part it has measured, so a timeout
+keeps those parts; it raises PhaseFailed when a check fails (its numbers stand) and any other exception on an
+error. On a GPU: SD3.5-Medium's architecture with random weights (gerl.models.sd35_arch), 512 px, bf16 unless said.
+With --rehearse: the tiny SD3 on CPU at 64 px (fp32 unless said), the same code path.
+
+To add a phase, decorate one function here with @phase(...); its place in this file is its place in the run.
+The measuring code is benchmarks/bench_gpu.py's and bench_gpu_launchers.py's, called, not copied.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+REPO = Path(__file__).resolve().parents[1]
+RATIO_BOUND = 1e-3  # max |ratio − 1| before any update that smoke and fp16 accept (bench_gpu's)
+
+
+class PhaseFailed(Exception):
+    """A phase's check failed; the numbers it measured stand."""
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    fn: Callable
+    cap_s: int  # wall-clock cap on a GPU, seconds (cut to what is left of the run's deadline)
+    rehearse_cap_s: int  # the same with --rehearse on 2 CPU cores
+    h100_estimate_s: int  # the estimate reasoned from FLOPs (docs/benchmarks.md, "gpu_day"), process start included
+    what: str  # one line for the log
+    needs: tuple[str, ...] = ("torch", "diffusers")  # modules without which the phase is skipped, not failed
+    missing_hint: str = ""
+
+
+PHASES: dict[str, Phase] = {}
+
+
+def phase(name: str, *, cap_s: int, rehearse_cap_s: int, h100_estimate_s: int, what: str,
+          needs: tuple[str, ...] = ("torch", "diffusers"), missing_hint: str = ""):
+    def register(fn):
+        PHASES[name] = Phase(name, fn, cap_s, rehearse_cap_s, h100_estimate_s, what, needs, missing_hint)
+        return fn
+    return register
+
+
+@dataclass
+class Ctx:
+    rehearse: bool
+    out: Path
+    numbers: dict
+    save: Callable[[], None]
+    device: object = None
+    bench: object = None  # benchmarks/bench_gpu.py
+    t0: float = field(default_factory=time.perf_counter)
+
+    def args(self, *extra: str):
+        """bench_gpu's arguments for this mode: SD3.5-M at its defaults on the GPU, --tiny on CPU, plus `extra`."""
+        args, error = self.bench.parse_args((["--tiny"] if self.rehearse else []) + list(extra))
+        if error:
+            raise ValueError(error)
+        args.out, args.emulated = None, False
+        return args
+
+    def sync(self) -> float:
+        return self.bench.sync(self.device)
+
+    def peak_gib(self) -> float | None:
+        import torch
+
+        return torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None
+
+    def reset_peak(self) -> float | None:
+        """Reset the allocator's peak; GiB allocated now (None on a CPU)."""
+        import torch
+
+        if self.device.type != "cuda":
+            return None
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return torch.cuda.memory_allocated(self.device) / 2**30
+
+
+def run_phase(name: str, rehearse: bool, out: Path, numbers: dict, partial: Callable[[], None]) -> None:
+    import torch
+
+    import bench_gpu
+
+    ctx = Ctx(rehearse, out, numbers, partial, bench=bench_gpu)
+    if not rehearse and not torch.cuda.is_available():
+        raise PhaseFailed("no CUDA device here; run with --rehearse on a CPU machine")
+    ctx.device = torch.device("cpu" if rehearse else "cuda")
+    PHASES[name].fn(ctx)
+
+
+def check_finite(what: str, values: dict) -> None:
+    """PhaseFailed naming every entry of `values` (floats or tensors) that is NaN or inf."""
+    import math
+
+    import torch
+
+    bad = [k for k, v in values.items()
+           if (isinstance(v, torch.Tensor) and not bool(torch.isfinite(v).all()))
+           or (isinstance(v, float) and not math.isfinite(v))]
+    if bad:
+        raise PhaseFailed(f"{what}: non-finite {', '.join(bad)}")
+
+
+def rollout_batch(c, embeds, trajs, rewards=None):
+    """A RolloutBatch of step 0's prompts from recorded `trajs` (bench_gpu's context `c`)."""
+    from gerl.sampling.loop import Embeds, Trajectory
+    from gerl.workers.batch import RolloutBatch
+
+    prompts, metadata, group_ids = c.bench_step_prompts(c, 0)
+    n = c.images
+    return RolloutBatch(prompts=prompts[:n], metadata=metadata[:n], group_ids=group_ids[:n],
+                        embeds=Embeds.cat(embeds), schedule=c.schedule, traj=Trajectory.cat(trajs), images=[],
+                        policy_version=0, rewards=rewards)
+
+
+def bench_ctx(ctx: Ctx, *extra: str, sampling_changes: dict | None = None):
+    """bench_gpu.make_ctx for this mode, timed: (its namespace, build seconds)."""
+    t = ctx.sync()
+    c = ctx.bench.make_ctx(ctx.args(*extra), ctx.device, sampling_changes)
+    c.bench_step_prompts = ctx.bench.step_prompts
+    return c, ctx.sync() - t
+
+
+# ------------------------------------------------------------------ the phases, in the order of value
+
+@phase("env", cap_s=60, rehearse_cap_s=60, h100_estimate_s=15, needs=("torch",),
+       what="GPU, driver, CUDA, NCCL, versions, bf16 matmul TFLOP/s, disk, /dev/shm")
+def env(ctx: Ctx) -> None:
+    import importlib.metadata as md
+    import os
+    import shutil
+    import subprocess
+
+    import torch
+
+    n = ctx.numbers
+    for pkg in ("torch", "diffusers", "transformers", "peft", "accelerate", "numpy", "ray", "rapidocr", "onnxruntime"):
+        try:
+            n[f"{pkg}_version"] = md.version(pkg)
+        except md.PackageNotFoundError:
+            n[f"{pkg}_version"] = None
+    n.update(cuda=torch.version.cuda, cpus=os.cpu_count(),
+             disk_free_gib=shutil.disk_usage(REPO).free / 2**30,
+             dev_shm_gib=shutil.disk_usage("/dev/shm").total / 2**30 if os.path.isdir("/dev/shm") else None)
+    if ctx.device.type == "cuda":
+        p = torch.cuda.get_device_properties(ctx.device)
+        n.update(gpu=p.name, gpu_memory_gib=p.total_memory / 2**30, sms=p.multi_processor_count,
+                 nccl=".".join(map(str, torch.cuda.nccl.version())) if hasattr(torch.cuda, "nccl") else None)
+        try:
+            n["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                         capture_output=True, text=True, timeout=30).stdout.strip() or None
+        except (OSError, subprocess.TimeoutExpired):
+            n["driver"] = None
+    ctx.save()
+    # the MFU denominator: a large dense matmul (bf16 on the GPU; a small fp32 one on CPU only exercises the code)
+    size, dtype = (8192, torch.bfloat16) if ctx.device.type == "cuda" else (512, torch.float32)
+    a = torch.randn(size, size, device=ctx.device, dtype=dtype)
+    b = torch.randn(size, size, device=ctx.device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    reps, t = 10, ctx.sync()
+    for _ in range(reps):
+        a @ b
+    seconds = ctx.sync() - t
+    n["matmul_tflops"] = 2 * size**3 * reps / seconds / 1e12
+    n["matmul"] = f"{size}x{size}x{size} {str(dtype).removeprefix('torch.')}, {reps} reps after 3 warm-up"
+    check_finite("env", {"matmul_tflops": n["matmul_tflops"]})
+
+
+@phase("smoke", cap_s=120, rehearse_cap_s=90, h100_estimate_s=25,
+       what="build (timed), one rollout micro-batch, one Flow-GRPO-Fast update; ratio before it; no NaN/inf")
+def smoke(ctx: Ctx) -> None:
+    import torch
+
+    n, images = ctx.numbers, 4 if ctx.rehearse else 8
+    c, n["build_s"] = bench_ctx(ctx, "--prompts", "1", "--group-size", str(images), "--no-grad-check")
+    ctx.save()
+    embeds = ctx.bench.step_embeds(c, 0)
+    t = ctx.sync()
+    trajs, pil = ctx.bench.our_rollout(c, embeds, 0)
+    n["rollout_s"] = ctx.sync() - t
+    traj = trajs[0]
+    check_finite("rollout", {"latents": traj.latents, "next_latents": traj.next_latents, "log_probs": traj.log_probs,
+                             "final_latents": traj.final_latents})
+    rewards = torch.randn(images, generator=torch.Generator().manual_seed(0))
+    adv = (rewards - rewards.mean()) / rewards.std()
+    t = ctx.sync()
+    m = c.actor.update(rollout_batch(c, embeds, trajs, rewards), adv, 0)
+    n["update_s"] = ctx.sync() - t
+    n.update(images=images, decoded=len(pil), ratio_max_dev=m["ratio_max_dev_before_update"], grad_norm=m["grad_norm"],
+             grad_zero_frac=m.get("grad_zero_frac"), optimizer_steps=m["optimizer_steps"], peak_gib=ctx.peak_gib())
+    ctx.save()
+    check_finite("update", {k: v for k, v in m.items() if isinstance(v, float)})
+    check_finite("weights after the update", {name: p for name, p in c.actor.named_params})
+    if not n["ratio_max_dev"] <= RATIO_BOUND:
+        raise PhaseFailed(f"max |ratio - 1| before the update {n['ratio_max_dev']:.3g} > {RATIO_BOUND:g}")
+    if not (m["optimizer_steps"] == 1 and m["grad_norm"] > 0):
+        raise PhaseFailed(f"the update took {m['optimizer_steps']} optimizer step(s), grad_norm {m['grad_norm']}")
+
+
+@phase("rollout", cap_s=150, rehearse_cap_s=120, h100_estimate_s=85,
+       what="images/s of our rollout vs stock StableDiffusion3Pipeline.__call__, micro-batch x guidance x LoRA")
+def rollout(ctx: Ctx) -> None:
+    from gerl.config import ModelConfig
+    from gerl.models.loader import add_lora
+
+    n = ctx.numbers
+    sizes = (1, 2) if ctx.rehearse else (8, 16, 32)
+    fewer = ["--num-steps", "4", "--sde-window", "1", "--sde-window-range", "0", "2"] if ctx.rehearse else []
+    c, n["build_s"] = bench_ctx(ctx, "--prompts", "1", "--group-size", str(max(sizes)), "--lora-rank", "0", *fewer)
+    n["rows"], warm = [], set()
+    for lora in (False, True):
+        if lora:  # the unmerged adapter gerl trains (r32/α64 on its default targets), B = 0 as PEFT starts it
+            add_lora(c.pipe.transformer, 32, 64.0, ModelConfig().lora_targets)
+        for mb in sizes:
+            for g in (1.0, 4.5):
+                c.images = mb
+                c.sampling = dataclasses.replace(c.sampling, micro_batch_size=mb, guidance_scale=g)
+                embeds = ctx.bench.step_embeds(c, 0)
+                # one warm-up per shape (kernel choice and caches are per shape), then one timed run of each
+                res, _ = ctx.bench.compare_stock(c, embeds, reps=1, warmup=0 if (mb, g) in warm else 1)
+                warm.add((mb, g))
+                n["rows"].append({"lora": lora, "micro_batch": mb, "guidance": g,
+                                  **{k: res[k] for k in ("ours_images_per_s", "stock_images_per_s", "ratio")}})
+                ctx.save()
+    n["min_ratio"] = min(r["ratio"] for r in n["rows"])
+    n["bar"] = ctx.bench.STOCK_BAR
+
+
+@phase("train", cap_s=90, rehearse_cap_s=90, h100_estimate_s=40,
+       what="one actor update at GeRL's settings: seconds and peak memory, checkpointing off and on, vs gerl plan")
+def train(ctx: Ctx) -> None:
+    import torch
+
+    from gerl.config import ModelConfig
+    from gerl.workers.actor import ActorWorker
+
+    n, images = ctx.numbers, 4 if ctx.rehearse else 8
+    c, n["build_s"] = bench_ctx(ctx, "--prompts", "1", "--group-size", str(images), "--no-grad-check")
+    embeds = ctx.bench.step_embeds(c, 0)
+    trajs, _ = ctx.bench.our_rollout(c, embeds, 0, images_too=False)
+    batch = rollout_batch(c, embeds, trajs)
+    adv = torch.randn(images, generator=torch.Generator().manual_seed(0))
+    tr = c.pipe.transformer
+    saved = [p.detach().clone() for p in c.actor.params]
+    for ckpt in (False, True):
+        train_cfg = dataclasses.replace(c.train, mini_batch_size=images, micro_batch_size=min(8, images))
+        actor = ActorWorker(tr, train_cfg, ModelConfig(lora=True, lora_rank=32, gradient_checkpointing=ckpt),
+                            c.sampling, max_steps=1, images_per_step=images, seed=0)
+        on_entry = ctx.reset_peak()
+        t = ctx.sync()
+        m = actor.update(batch, adv, 0)
+        seconds = ctx.sync() - t
+        peak = ctx.peak_gib()
+        key = "checkpointing_on" if ckpt else "checkpointing_off"
+        n[key] = {"update_s": seconds, "peak_gib": peak, "transient_gib": None if peak is None else peak - on_entry,
+                  "trained_steps": m["trained_steps_per_sample"], "images": images, "ratio_max_dev": m["ratio_max_dev_before_update"]}
+        with torch.no_grad():
+            for p, s in zip(actor.params, saved):
+                p.copy_(s)
+        if ckpt:
+            tr.disable_gradient_checkpointing()
+        ctx.save()
+    try:  # `gerl plan` leans on torch internals: its failure must not lose the measurement above
+        n["plan"] = train_plan(ctx, images)
+    except Exception as e:  # noqa: BLE001
+        n["plan_error"] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+
+
+def train_plan(ctx: Ctx, images: int) -> dict:
+    """`gerl plan`'s actor peak and training-phase transient for this configuration, checkpointing off and on."""
+    from gerl.config import load_config
+    from gerl.plan import plan_for_config
+
+    model = ["model.path=tiny", "model.resolution=64", "model.dtype=fp32"] if ctx.rehearse else [
+        "model.path=stabilityai/stable-diffusion-3.5-medium", "model.dtype=bf16", "model.resolution=512",
+        "model.max_sequence_length=256"]
+    cfg = load_config(None, model + ["model.lora_rank=32", "model.lora_alpha=64", "engine.kind=ray",
+                                     "engine.hybrid=false", "engine.device=cuda", f"data.group_size={images}",
+                                     "data.prompts_per_step=1", f"train.mini_batch_size={images}",
+                                     f"train.micro_batch_size={min(8, images)}", f"sampling.micro_batch_size={images}"])
+    role = plan_for_config(cfg).role("actor")
+    out = {}
+    for ckpt in (False, True):
+        phase_ = next((p for p in role.phases if p.name.startswith("training") and
+                       ("checkpointing on" in p.name) == ckpt), None)
+        out["checkpointing_on" if ckpt else "checkpointing_off"] = {
+            "peak_gib": role.peak_gib_with(checkpointing=ckpt),
+            "transient_gib": None if phase_ is None else phase_.gib, "phase": None if phase_ is None else phase_.name}
+    return out
+
+
+@phase("step", cap_s=150, rehearse_cap_s=150, h100_estimate_s=70, needs=("torch", "diffusers", "rapidocr"),
+       what="one whole step of GeRL's row (OCR reward on CPU threads), then DiffusionNFT's and AWM's recipes")
+def step(ctx: Ctx) -> None:
+    from _gpu_day_step import whole_step
+
+    for name in ("gerl", "nft", "awm"):
+        ctx.numbers[name] = whole_step(ctx, name)
+        ctx.save()
+
+
+@phase("fp16", cap_s=90, rehearse_cap_s=90, h100_estimate_s=30,
+       what="fp16 with loss scaling at full depth: ratio, LoRA-gradient cosine and zero fraction vs fp32")
+def fp16(ctx: Ctx) -> None:
+    import contextlib
+
+    from gerl.numerics import Fp16GemmEmulation
+
+    images = 4 if ctx.rehearse else 8
+    args = ctx.args("--dtype", "fp16", "--steps", "0", "--warmup", "0", "--no-stock", "--prompts", "1",
+                    "--group-size", str(images))
+    emulate = ctx.device.type == "cpu"  # a GPU's fp16 GEMM numerics at fp32 speed (gerl/numerics.py)
+    args.emulated = emulate
+    with Fp16GemmEmulation() if emulate else contextlib.nullcontext():
+        s = ctx.bench.run(args, ctx.device)
+    r, n = s["ratio_check"], ctx.numbers
+    g = r["grad_check"]
+    n.update(layers=s["layers"], images=images, fp16_gemm_emulated=emulate, ratio_max_dev=r["max_abs_ratio_minus_1"],
+             loss_scale=g["loss_scale"], cosine=g["cosine"], zero_fraction=g["zero_fraction"],
+             fp32_zero_fraction=g["reference_zero_fraction"], norm_ratio=g["norm_ratio"], finite=g["finite"],
+             unscaled_control={k: g["control"][k] for k in ("cosine", "zero_fraction", "norm_ratio")},
+             peak_mem_gib=s["peak_mem_gib"])
+    ctx.save()
+    devs = list(r["max_abs_ratio_minus_1"].values())
+    if not (g["finite"] and all(d <= RATIO_BOUND for d in devs)):  # NaN fails here: NaN <= bound is False
+        raise PhaseFailed(f"fp16 ratio check: finite {g['finite']}, max |ratio - 1| {devs}")
+    if not g["cosine"] >= g["bar"]:
+        raise PhaseFailed(f"fp16 LoRA gradient cosine to fp32 {g['cosine']:.5f} < {g['bar']}")
+
+
+@phase("launcher", cap_s=180, rehearse_cap_s=200, h100_estimate_s=75, needs=("torch", "diffusers", "rapidocr", "ray"),
+       what="recipes/run_sd3_fast_3p_a1_r2.sh for 2 steps on this one GPU (fractional gpus_per_worker)",
+       missing_hint="carry .whl/ray in a second call while the machine is warm: docs/offline_install.md")
+def launcher(ctx: Ctx) -> None:
+    import tempfile
+
+    import bench_gpu_launchers as bl
+
+    left = PHASES["launcher"].rehearse_cap_s if ctx.rehearse else PHASES["launcher"].cap_s
+    with tempfile.TemporaryDirectory(prefix="gpu_day_launcher_") as tmp:
+        row = bl.run_launcher("3p_a1_r2", Path(tmp) / "3p_a1_r2", cuda=ctx.device.type == "cuda",
+                              timeout_s=max(30, left - 15))
+    ctx.numbers.update(row)
+    ctx.save()
+    if not row.get("ok"):
+        raise PhaseFailed(row.get("error") or bl.format_row(row))
+

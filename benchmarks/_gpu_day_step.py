@@ -1,0 +1,123 @@
+"""gpu_day's `step` phase: one whole training step of a recipe, through gerl's own local engine (the rollout role
+with its OCR reward futures, advantages, the actor role's update) on SD3.5-M's architecture with random weights.
+
+GeRL's row runs at its recipe's batch (8 prompts × 8 images, fp16, window 3, micro-batch 8, mini-batch 32).
+DiffusionNFT's and AWM's recipes are per step 1152 and 1728 images over 8 GPUs; here one GPU runs one prompt
+pair of their settings (18 and 12 images: micro-batches that divide, one optimizer step), so their number is
+images/s on one GPU, not their step time. Prompt embeddings are random tensors of the real shapes (77 + the
+recipe's T5 tokens): the text encoders run once per distinct prompt in a real run (gerl's embedding cache).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+REPO_RECIPES = {
+    "gerl": ("recipes/gerl_sd3_fast_ocr.yaml", [], ["data.group_size=4", "train.mini_batch_size=4",
+                                                   "train.micro_batch_size=4", "sampling.micro_batch_size=4",
+                                                   "sampling.num_steps=6"]),
+    "nft": ("recipes/nft_sd3_ocr.yaml", ["data.prompts_per_step=2", "data.group_size=9", "train.mini_batch_size=18"],
+            ["data.group_size=3", "train.mini_batch_size=6", "train.micro_batch_size=3", "sampling.micro_batch_size=3",
+             "algo.train_timesteps=2", "sampling.num_steps=4"]),
+    "awm": ("recipes/awm_sd3_ocr.yaml", ["data.prompts_per_step=2", "data.group_size=6", "train.mini_batch_size=12"],
+            ["data.group_size=3", "train.mini_batch_size=6", "sampling.micro_batch_size=3", "algo.train_timesteps=2",
+             "sampling.num_steps=4"]),
+}
+# --rehearse: the tiny SD3 at 64 px, 2 prompts, small groups, fewer denoising steps, 2 trained noise levels (nft,
+# awm); each recipe's algorithm, dtype, sampler, window and schedule kept
+REHEARSE = ["model.path=tiny", "model.resolution=64", "data.prompts_per_step=2", "log.progress_bar=false"]
+
+
+def step_config(name: str, rehearse: bool):
+    from gerl.config import load_config
+
+    path, gpu, cpu = REPO_RECIPES[name]
+    return load_config(path, gpu + (REHEARSE + cpu if rehearse else []) + ["engine.kind=local"])
+
+
+def forwards_per_image(cfg) -> tuple[int, int]:
+    """(rollout, training) transformer forward-equivalents per image of a step (a backward counts as 2):
+    the FLOPs model of the MFU below. flow_grpo: gerl.logging.throughput.flow_grpo_step_flops instead."""
+    a, t, s = cfg.algo, cfg.train, cfg.sampling
+    rollout = s.num_steps * (2 if s.guidance_scale > 1 else 1)
+    per_point = 3 + (1 if t.beta > 0 else 0)  # policy forward + backward; the reference's forward for the KL
+    if a.name == "nft" or a.anchor_beta > 0:
+        per_point += 1  # the anchor's velocity
+    if a.name == "awm":
+        per_point += 1  # the old log-prob's no-grad forward
+    return rollout, a.train_timesteps * per_point * t.inner_epochs
+
+
+def whole_step(ctx, name: str) -> dict:
+    """Warm-up step, then one timed step of recipe `name`: images/s/GPU, seconds per stage, MFU, peak memory."""
+    import torch
+
+    from gerl.algo.advantages import compute_advantages
+    from gerl.data.prompts import load_prompts
+    from gerl.engine.local import LocalEngine
+    from gerl.logging.throughput import flow_grpo_step_flops, mfu, peak_tflops_for, transformer_forward_flops
+    from gerl.models.loader import add_lora
+    from gerl.numerics import Fp16GemmEmulation
+
+    cfg = step_config(name, ctx.rehearse)
+    m = cfg.model
+    extra = ["--lora-rank", "0", "--dtype", m.dtype, "--prompts", "1", "--group-size", "1"]
+    args = ctx.args(*extra, *([] if ctx.rehearse else ["--t5-tokens", str(m.max_sequence_length)]))
+    t = ctx.sync()
+    pipe, embedder, text_len = ctx.bench.build(args, ctx.device)
+    add_lora(pipe.transformer, m.lora_rank, m.lora_alpha, m.lora_targets, m.lora_init, seed=cfg.seed)
+    engine = LocalEngine(cfg, None, pipe)
+    engine.rollout.worker.embedder = embedder  # random embeddings of the real shapes (no tokenizers here)
+    build_s = ctx.sync() - t
+    chosen = load_prompts(REPO / cfg.data.train_prompts)[: cfg.data.prompts_per_step]
+    prompts = [p.text for p in chosen for _ in range(cfg.data.group_size)]
+    metadata = [dict(p.metadata) for p in chosen for _ in range(cfg.data.group_size)]
+    group_ids = torch.arange(len(chosen)).repeat_interleave(cfg.data.group_size)
+    emulate = ctx.device.type == "cpu" and m.dtype == "fp16"  # a GPU's fp16 GEMMs at fp32 speed on the CPU
+    rows = []
+    try:
+        with Fp16GemmEmulation() if emulate else contextlib.nullcontext():
+            # GeRL's row first: its step 0 is the warm-up (CUDA context, kernels, the OCR model), step 1 is timed;
+            # nft and awm come after it in the same process and are timed on their first step
+            for s in range(0 if name == "gerl" and not ctx.rehearse else 1, 2):
+                ctx.reset_peak()
+                t0 = ctx.sync()
+                batch, res = engine.submit(s, prompts, metadata, group_ids)
+                t1 = ctx.sync()
+                rewards = torch.nan_to_num(batch.rewards.float(), nan=0.0)
+                adv = compute_advantages(cfg.train.advantage, rewards, batch.group_ids, cfg.train.adv_clip_max)
+                metrics = engine.update(batch, adv, s)
+                engine.sync()
+                t2 = ctx.sync()
+                rows.append((t0, t1, t2, batch.timings, metrics, ctx.peak_gib()))
+    finally:
+        engine.rollout.close()
+    t0, t1, t2, timings, metrics, peak = rows[-1]
+    images = len(prompts)
+    device_name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"
+    tflops = peak_tflops_for(device_name, m.dtype)
+    config = dict(pipe.transformer.config)
+    if cfg.algo.name == "flow_grpo":
+        flops = flow_grpo_step_flops(config, resolution=m.resolution, text_len=text_len, images=images,
+                                     num_steps=cfg.sampling.num_steps, guidance_scale=cfg.sampling.guidance_scale,
+                                     trained_steps=metrics["trained_steps_per_sample"],
+                                     inner_epochs=cfg.train.inner_epochs, vae_scale_factor=8)["total"]
+    else:
+        per = transformer_forward_flops(config, m.resolution, text_len)
+        flops = per * images * sum(forwards_per_image(cfg))
+    out = {"recipe": REPO_RECIPES[name][0], "algo": cfg.algo.name, "dtype": m.dtype, "images": images,
+           "resolution": m.resolution, "text_len": text_len, "build_s": build_s, "step_s": t2 - t0,
+           "rollout_s": t1 - t0, "train_s": t2 - t1, **{k: timings.get(k) for k in
+                                                        ("generate_s", "decode_s", "reward_wait_s", "reward_compute_s")},
+           "images_per_s_per_gpu": images / (t2 - t0), "step_tflop": flops / 1e12,
+           "mfu": mfu(flops, t2 - t0, 1, tflops), "peak_gib": peak, "grad_norm": metrics.get("grad_norm"),
+           "optimizer_steps": metrics.get("optimizer_steps"), "grad_zero_frac": metrics.get("grad_zero_frac"),
+           "loss_scale": metrics.get("loss_scale"), "reward_mean": float(rewards.mean())}
+    from _gpu_day_phases import check_finite
+
+    check_finite(f"{name} step", {k: v for k, v in metrics.items() if isinstance(v, float)
+                                  and k != "ratio_max_dev_before_update"})
+    return out
+

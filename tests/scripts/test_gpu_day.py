@@ -1,0 +1,108 @@
+"""benchmarks/gpu_day.py (the GPU day in one command) rehearsed on CPU: a phase made to fail with --fail is recorded
+in gpu_day.json and the phases after it still run, the JSON rewritten after each; its one-line argument errors;
+and benchmarks/_procgroup.py, which kills everything a command started when it runs past its cap."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.scripts import load_script
+
+gpu_day = load_script("gpu_day")
+procgroup = load_script("_procgroup")
+
+
+def test_a_failing_phase_is_recorded_and_the_later_phases_still_run(tmp_path, capsys):
+    """env, then smoke made to fail, then train: all three recorded, train measured after smoke's failure.
+    ≈ 30 s on 2 cores (each phase is a child process: torch imports, the tiny SD3 built for train)."""
+    assert gpu_day.main(["--rehearse", "--out", str(tmp_path), "--phases", "train,smoke,env", "--fail", "smoke"]) == 1
+    report = json.loads((tmp_path / "gpu_day.json").read_text())
+    phases = report["phases"]
+    assert list(phases) == ["env", "smoke", "train"]  # the registry's order, whatever order --phases gave
+    assert phases["smoke"]["status"] == "failed"
+    assert phases["smoke"]["error"] == "RuntimeError: --fail smoke: this phase fails on purpose"
+    assert phases["env"]["status"] == "ok" and phases["env"]["torch_version"] and phases["env"]["matmul_tflops"] > 0
+    assert report["env"]["torch_version"] == phases["env"]["torch_version"]  # the env phase's numbers head the JSON
+    t = phases["train"]
+    assert t["status"] == "ok" and t["checkpointing_off"]["update_s"] > 0 and t["checkpointing_on"]["update_s"] > 0
+    assert t["checkpointing_off"]["ratio_max_dev"] <= 1e-3
+    assert all(p["seconds"] > 0 for p in (phases["env"], phases["train"]))
+    # the JSON was rewritten after each phase, before the next one started
+    log = [ln for ln in (tmp_path / "gpu_day.log").read_text().splitlines() if ln.startswith("[gpu_day]")]
+    order = [ln.split(" — ")[0] for ln in log if "rewritten after" in ln or ": start" in ln]
+    assert order == ["[gpu_day] gpu_day.json rewritten after start", "[gpu_day] env: start (cap 60 s)",
+                     "[gpu_day] gpu_day.json rewritten after env", "[gpu_day] smoke: start (cap 90 s)",
+                     "[gpu_day] gpu_day.json rewritten after smoke", "[gpu_day] train: start (cap 90 s)",
+                     "[gpu_day] gpu_day.json rewritten after train",
+                     "[gpu_day] gpu_day.json rewritten after the last phase"]
+    assert "not ok: smoke" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--phases", "env,warp"], "unknown phase 'warp'; choose from env, smoke, rollout, train, step, fp16, launcher"),
+    (["--fail", "nope"], "unknown phase 'nope'"),
+    (["--phases", ","], "--phases names no phase"),
+    (["--deadline-s", "-1"], "--deadline-s must be > 0"),
+])
+def test_bad_arguments_are_one_line_errors(tmp_path, capsys, argv, message):
+    assert gpu_day.main(["--rehearse", "--out", str(tmp_path), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and message in err
+    assert not (tmp_path / "gpu_day.json").exists()
+    with pytest.raises(SystemExit):  # no abbreviations: --rehe is not --rehearse
+        gpu_day.main(["--rehe", "--out", str(tmp_path)])
+
+
+def test_an_unwritable_out_is_a_one_line_error(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert gpu_day.main(["--rehearse", "--out", str(blocker / "sub")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "cannot write to --out" in err
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+def test_a_timeout_kills_every_process_the_command_started(tmp_path):
+    """bash starting a child in its group and one in a session of its own (as a daemon or a re-parented worker
+    would be): both die with the timeout, and a straggler of a command that exited on its own is killed too."""
+    pids = tmp_path / "pids"
+    script = f"sleep 300 & echo $! >> {pids}; setsid sleep 300 & echo $! >> {pids}; wait"
+    t = time.monotonic()
+    code, stragglers = procgroup.run_group(["bash", "-c", script], timeout_s=2)
+    assert code is None and time.monotonic() - t < 30
+    started = [int(p) for p in pids.read_text().split()]
+    assert len(started) == 2 and not any(_alive(p) for p in started), started
+    assert stragglers == 1  # the setsid one: out of the group, found by its marker
+
+    pids.unlink()
+    code, stragglers = procgroup.run_group(["bash", "-c", f"setsid sleep 300 & echo $! >> {pids}"], timeout_s=30)
+    left = int(pids.read_text())
+    assert code == 0 and stragglers == 1 and not _alive(left)
+
+
+def test_markers_nest():
+    """A marked command that runs another keeps the outer marker: the outer sweep reaches the inner processes."""
+    env, outer = procgroup.marked_env({"PATH": os.environ["PATH"]})
+    inner_env, inner = procgroup.marked_env(env)
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=inner_env)
+    try:
+        deadline = time.monotonic() + 10
+        while p.pid not in procgroup.marked_pids(outer) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert p.pid in procgroup.marked_pids(outer) and p.pid in procgroup.marked_pids(inner)
+    finally:
+        p.kill()
+        p.wait()
