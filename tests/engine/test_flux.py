@@ -2,7 +2,7 @@
 hosts, one-step-off, bf16, the GPU backend map), the stream (FLUX.1-schnell, nft, generating ahead of training) and
 hybrid hosts (FLUX.1-dev, awm, ratio 1 at the first update). The engine never asks which family it runs; these runs
 show that nothing in it assumed SD3. Local sync: tests/models/test_flux.py. (The 8-GPU hybrid FLUX launchers are
-rehearsed the same way by hand, ~90 s each here: docs/families.md.)"""
+rehearsed the same way by hand, ~100 s each here: docs/lab_notebook.md.)"""
 
 import json
 
