@@ -157,7 +157,8 @@ def resolution_shift(image_seq_len: int, config, default_max_shift: float) -> fl
     """`mu` of the resolution-dependent (dynamic) shift: linear in the image's token count, from base_shift at
     base_image_seq_len tokens to max_shift at max_image_seq_len (the scheduler config's keys, with the stock
     pipelines' defaults: 256 → 0.5, 4096 → `default_max_shift`, which is 1.15 in FluxPipeline and 1.16 in
-    StableDiffusion3Pipeline)."""
+    StableDiffusion3Pipeline). Shared by the families whose stock pipelines shift σ by the image's size (FLUX.1,
+    Qwen-Image, and SD3 when its scheduler config asks for dynamic shifting)."""
     lo_n, hi_n = config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096)
     lo, hi = config.get("base_shift", 0.5), config.get("max_shift", default_max_shift)
     slope = (hi - lo) / (hi_n - lo_n)

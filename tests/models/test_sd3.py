@@ -5,6 +5,7 @@ each, and SD3.5-Large's published transformer config (built on the meta device: 
 the default LoRA targets attaching where its blocks have them. (The tiny SD3's own parity: tests/sampling/test_loop.py.)"""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -44,6 +45,32 @@ def test_each_sd3_generation_samples_as_the_stock_pipeline_with_cfg(tiny_pipe, l
     noise, _ = latent_noise(seeds, shape)
     embeds = TextEmbedder(pipe, TOKEN_LENGTH)(prompts, with_negative=SD3.uses_negative(3.0))
     got = denoise(tr, embeds, noise, SD3.schedule(pipe.scheduler.config, 3, shape), [], "sde", 0.7, 3.0, None)
+    torch.testing.assert_close(got.final_latents, ref.float(), rtol=0, atol=1e-5)
+
+
+def test_a_scheduler_with_dynamic_shifting_is_shifted_by_the_token_count_as_the_stock_pipeline(tiny_pipe):
+    """No released SD3 scheduler shifts dynamically, but StableDiffusion3Pipeline does when the config asks (mu from
+    the (h/2)(w/2) tokens): the family follows it rather than ignoring the key."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
+
+    sched = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_image_seq_len=16,
+                                            max_image_seq_len=256)
+    pipe = StableDiffusion3Pipeline(**{**tiny_pipe.components, "scheduler": sched})
+    pipe.set_progress_bar_config(disable=True)
+    ref = pipe(prompt=["a red cat"], num_inference_steps=3, guidance_scale=1.0, height=RESOLUTION, width=RESOLUTION,
+               max_sequence_length=TOKEN_LENGTH, output_type="latent",
+               generator=[torch.Generator().manual_seed(5)]).images
+    shape = SD3.latent_shape(pipe, RESOLUTION)
+    schedule = SD3.schedule(sched.config, 3, shape)
+    # 64 tokens of the 16×16 latent; max_shift is the scheduler config's own (1.15, its constructor default), not
+    # the pipeline's fallback 1.16 for a config without the key
+    mu = 0.5 + (1.15 - 0.5) * (64 - 16) / (256 - 16)
+    s = torch.linspace(1.0, 0.001, 3, dtype=torch.float64)  # unshifted σ: timesteps 1000 → 1 evenly, / 1000
+    expected = math.exp(mu) / (math.exp(mu) + 1 / s - 1)
+    torch.testing.assert_close(schedule.sigmas[:-1], expected.float(), rtol=0, atol=1e-6)
+    noise, _ = latent_noise([5], shape)
+    got = denoise(pipe.transformer, TextEmbedder(pipe, TOKEN_LENGTH)(["a red cat"]), noise, schedule, [], "sde",
+                  0.7, 1.0, None)
     torch.testing.assert_close(got.final_latents, ref.float(), rtol=0, atol=1e-5)
 
 
