@@ -154,9 +154,11 @@ def _resolve_settings(args) -> None:
 def _check_resolution(args) -> None:
     """--resolution against what the model can generate: reads its configs (imports diffusers and transformers, and
     builds the tiny model), so it comes after the checks that need none of that."""
+    from gerl.models.loader import model_family
     from gerl.plan.arch import check_resolution
 
     quiet_libraries()
+    model_family(args.model)  # a directory gerl cannot train (another pipeline class, a broken model_index.json)
     check_resolution(args.model, args.resolution, f"--resolution {args.resolution}", args.tiny_seed or 0)
 
 
@@ -385,7 +387,8 @@ def cmd_report(args) -> int:
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     run = " (default: the LoRA's run config.yaml, else %s)"
-    p.add_argument("--model", default=None, help="'tiny', a local diffusers directory, or a hub id" + run % "tiny")
+    p.add_argument("--model", default=None, help="'tiny' (or tiny-flux, tiny-flux-schnell), 'ocr-mini', a local "
+                   "diffusers directory (SD3/SD3.5 or FLUX.1), or a hub id" + run % "tiny")
     p.add_argument("--lora", default=None, help="a checkpoint directory or .safetensors LoRA; a checkpoint of a run "
                    "directory also supplies model, resolution, sequence length, steps and guidance")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable)")

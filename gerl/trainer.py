@@ -29,7 +29,7 @@ from gerl.logging.images import image_grid, save_grid_captions
 from gerl.logging.metrics import MetricsLogger, read_jsonl
 from gerl.logging.throughput import tracker_for
 from gerl.logging.timeline import Timeline, truncate_timeline
-from gerl.models.loader import lora_file, resolve_model_path
+from gerl.models.loader import lora_file, model_family
 from gerl.paths import check_writable
 from gerl.workers.batch import RolloutBatch, subset
 from gerl.workers.reward import RewardResult
@@ -75,6 +75,8 @@ def prepare(cfg: Config) -> Prepared:
         for log in ("metrics.jsonl", "timeline.jsonl"):
             read_jsonl(Path(cfg.output_dir) / log)
     _check_resume(cfg, resume_from)
+    # the model's family from its model_index.json: a directory gerl cannot train fails here, before anything loads
+    model_family(cfg.model.path)
     if cfg.model.init_lora:
         lora_file(cfg.model.init_lora)
     if cfg.log.wandb:
@@ -96,8 +98,6 @@ def prepare(cfg: Config) -> Prepared:
         from gerl.engine.roles import build_pipeline
 
         pipe = build_pipeline(cfg)
-    elif (path := resolve_model_path(cfg.model.path)) != "tiny" and not Path(path).exists() and "/" not in path:
-        raise UserError(f"model.path {cfg.model.path!r} is neither 'tiny', 'ocr-mini', an existing directory, nor a hub id")
     return Prepared(train, test, reward_fns, resume_from, pipe)
 
 

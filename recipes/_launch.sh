@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Shared by the run_sd3_fast_*.sh recipes (GeRL's rows): train recipes/gerl_sd3_fast_ocr.yaml for EPOCHS (default
-# 15, GeRL's trainer.total_epochs) over DATASET_DIR/train.txt, then print throughput (images/s/GPU) and GPU-hours.
+# Shared by the run_*.sh launchers: train RECIPE (default recipes/gerl_sd3_fast_ocr.yaml, GeRL's rows) for EPOCHS
+# (default 15, GeRL's trainer.total_epochs) over DATASET_DIR/train.txt, then print throughput (images/s/GPU) and
+# GPU-hours. EPOCHS=0 keeps the recipe's own max_steps (the FLUX launchers: their peers stop runs by hand).
 #   bash recipes/_launch.sh MODEL DATASET_DIR OUTPUT_DIR [key=value ...] [--print-config]
 # PROMPTS_PER_STEP (default 8) must match data.prompts_per_step for the epoch arithmetic; max_steps=N overrides it.
 # --print-config prints the resolved config and exits without training or writing anything.
@@ -13,13 +14,16 @@ if [ ! -f "$DATA/train.txt" ] || [ ! -f "$DATA/test.txt" ]; then
   exit 2
 fi
 # GeRL's dataloader drops the last partial batch: an epoch is floor(prompts / prompts per step) steps.
-PROMPTS=$(grep -c . "$DATA/train.txt" || true)
-STEPS=$(( (PROMPTS / ${PROMPTS_PER_STEP:-8}) * ${EPOCHS:-15} ))
-[ "$STEPS" -ge 1 ] || STEPS=1
+STEPS=()
+if [ "${EPOCHS:-15}" != 0 ]; then
+  PROMPTS=$(grep -c . "$DATA/train.txt" || true)
+  N=$(( (PROMPTS / ${PROMPTS_PER_STEP:-8}) * ${EPOCHS:-15} ))
+  STEPS=(max_steps="$(( N >= 1 ? N : 1 ))")
+fi
 PRINT_ONLY=0
 for arg in "$@"; do [ "$arg" = "--print-config" ] && PRINT_ONLY=1; done
-gerl train recipes/gerl_sd3_fast_ocr.yaml model.path="$MODEL" data.train_prompts="$DATA/train.txt" \
-  data.test_prompts="$DATA/test.txt" output_dir="$OUT" max_steps="$STEPS" "$@"
+gerl train "${RECIPE:-recipes/gerl_sd3_fast_ocr.yaml}" model.path="$MODEL" data.train_prompts="$DATA/train.txt" \
+  data.test_prompts="$DATA/test.txt" output_dir="$OUT" ${STEPS[@]+"${STEPS[@]}"} "$@"
 [ "$PRINT_ONLY" = 1 ] && exit 0
 python - "$OUT" <<'PY'
 import json, sys, yaml

@@ -246,6 +246,14 @@ BAD_INPUTS = [
      "--out /proc/gerl/eval.json is not writable"),
     ("report_out_proc", ["report", "{tmp}/fake_run", "--out", "/proc/gerl/report.html"],
      "--out /proc/gerl/report.html is not writable"),
+    # a model directory gerl cannot train (found as a user would: a 40-line traceback and exit 1 before), named with
+    # the pipeline class it holds and the families gerl trains, before anything loads
+    ("train_sdxl_directory", [*TRAIN, "output_dir={tmp}/run", "model.path={tmp}/sdxl"],
+     "holds a StableDiffusionXLPipeline, which gerl cannot train; it trains StableDiffusion3Pipeline"),
+    ("train_model_index_not_json", [*TRAIN, "output_dir={tmp}/run", "model.path={tmp}/notjson"],
+     "model_index.json is not readable JSON"),
+    ("sample_sdxl_directory", ["sample", *PROMPT, "--model", "{tmp}/sdxl", "--out", "{tmp}/imgs"],
+     "FluxPipeline (FLUX.1-dev / FLUX.1-schnell)"),
     # a resolution beyond the model's position embedding (pos_embed_max_size × patch_size × VAE factor), named
     # before any weights load: tiny covers 32 × 2 × 4 = 256 px, ocr-mini reads its limit from its config files
     ("train_resolution_over_tiny", [*TRAIN, "output_dir={tmp}/run", "model.resolution=512"],
@@ -276,6 +284,9 @@ def _sandbox(tmp_path: Path) -> None:
         (tmp_path / name).write_text(text)
     Image.new("RGB", (32, 32), "white").save(tmp_path / "img.png")
     save_file({"weight": torch.zeros(2, 2)}, str(tmp_path / "plain.safetensors"))
+    for name, index in (("sdxl", '{"_class_name": "StableDiffusionXLPipeline"}'), ("notjson", "{oops")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model_index.json").write_text(index)
     (tmp_path / "fake_run").mkdir()
     (tmp_path / "fake_run" / "metrics.jsonl").write_text('{"step": 1, "reward_mean": 0.5}\n')
 

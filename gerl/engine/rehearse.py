@@ -6,10 +6,10 @@ CUDA_VISIBLE_DEVICES), the schedule and staleness, the model dtype (fp16 runs as
 process groups' per-device backend map (NCCL replaced by gloo, nothing else: a CPU tensor sent on a group with
 no CPU entry fails as it would on the GPUs), weight sync, the reward and its placement, and the conventions.
 
-What changes: every host computes on the CPU (model.device=cpu). On the small offline models (tiny, ocr-mini) the
-batch and the resolution shrink to what a 2-core machine runs in a minute, keeping every divisibility the layout
-needs (whole groups per rollout host, equal slices per actor rank, two optimizer steps per step); each change is
-printed on stderr.
+What changes: every host computes on the CPU (model.device=cpu). On the small offline models (tiny, tiny-flux,
+tiny-flux-schnell, ocr-mini) the batch and the resolution shrink to what a 2-core machine runs in a minute, keeping
+every divisibility the layout needs (whole groups per rollout host, equal slices per actor rank, two optimizer steps
+per step); each change is printed on stderr.
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ import sys
 
 from gerl.config import Config, validate
 from gerl.errors import UserError
+from gerl.models.family import TINY_MODELS
 
-SMALL_MODELS = ("tiny", "ocr-mini")  # built offline / shipped: their native resolution is 64 px, 32 T5 tokens
+# built offline (every tiny family model) / shipped: their native resolution is 64 px, 32 T5 tokens
+SMALL_MODELS = (*TINY_MODELS, "ocr-mini")
 
 
 def _shrunk_sizes(cfg: Config) -> dict[str, dict]:

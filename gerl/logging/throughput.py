@@ -23,6 +23,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from gerl.models.family import TINY_MODELS
+
 CLIP_TOKENS = 77  # SD3 pads the CLIP-L/G hidden states to 77 tokens before concatenating T5's
 
 
@@ -339,17 +341,25 @@ class ThroughputTracker:
         return out
 
 
+MMDIT_CLASS = "SD3Transformer2DModel"
+
+
 def model_config_for(model_path: str, pipe=None) -> tuple[dict, int] | None:
     """(transformer config, VAE scale factor) from a loaded pipeline, else from model_path's transformer/ and vae/
     config.json (a local directory or the local Hugging Face cache; nothing is downloaded). None when neither is
-    available (e.g. model.path=tiny without a pipeline): MFU is then null."""
+    available (e.g. model.path=tiny without a pipeline), and for a transformer that is not SD3's MMDiT (the FLOPs
+    model counts that architecture only: a FLUX.1 run logs mfu null)."""
     if pipe is not None:
+        if type(pipe.transformer).__name__ != MMDIT_CLASS:
+            return None
         return dict(pipe.transformer.config), 2 ** (len(pipe.vae.config.block_out_channels) - 1)
-    if model_path == "tiny":  # built in code, no configs on disk (and no ~4 s diffusers import to find that out)
+    if model_path in TINY_MODELS:  # built in code, no configs on disk (and no ~4 s diffusers import to find that out)
         return None
     local = Path(model_path)
     if (local / "transformer" / "config.json").is_file() and (local / "vae" / "config.json").is_file():
         t, v = (json.loads((local / c / "config.json").read_text()) for c in ("transformer", "vae"))
+        if t.get("_class_name", MMDIT_CLASS) != MMDIT_CLASS:
+            return None
         return t, 2 ** (len(v["block_out_channels"]) - 1)
     try:  # a hub id: its configs in the local Hugging Face cache
         from diffusers import AutoencoderKL, SD3Transformer2DModel
@@ -357,6 +367,8 @@ def model_config_for(model_path: str, pipe=None) -> tuple[dict, int] | None:
         t = SD3Transformer2DModel.load_config(model_path, subfolder="transformer", local_files_only=True)
         v = AutoencoderKL.load_config(model_path, subfolder="vae", local_files_only=True)
     except (OSError, ValueError):
+        return None
+    if t.get("_class_name", MMDIT_CLASS) != MMDIT_CLASS:
         return None
     return dict(t), 2 ** (len(v["block_out_channels"]) - 1)
 

@@ -1,9 +1,10 @@
-"""Load SD3 / SD3.5 (tiny, a local directory, or a hub id), attach LoRA, and cache prompt embeddings."""
+"""Load a model of any family gerl trains (a tiny offline one, a shipped one, a local directory or a hub id; the
+family comes from the directory's model_index.json: gerl/models/family.py), attach LoRA, and cache prompt
+embeddings."""
 
 from __future__ import annotations
 
 import json
-import re
 from collections import OrderedDict
 from pathlib import Path
 
@@ -50,57 +51,58 @@ def resolve_device(name: str) -> torch.device:
         raise UserError(f"model.device={name!r} is not a torch device; use auto, cpu, cuda or cuda:N") from None
 
 
-# The pipeline's parts that hold weights; a role loads only those it uses (ROLE_COMPONENTS).
+# The pipeline's parts that hold weights, over every family (each family lists its own: Family.components); a
+# role loads only those it uses (ROLE_COMPONENTS).
 WEIGHTED_COMPONENTS = ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3")
-TOKENIZERS = {"text_encoder": "tokenizer", "text_encoder_2": "tokenizer_2", "text_encoder_3": "tokenizer_3"}
 # The actor trains the transformer and reads nothing else: its batches carry the text embeddings and latents, so
-# the VAE and the three text encoders (10.55 GiB for SD3.5-M in fp16) stay off its device.
+# the VAE and the text encoders (10.55 GiB for SD3.5-M in fp16) stay off its device.
 ROLE_COMPONENTS = {"actor": ("transformer",), "rollout": WEIGHTED_COMPONENTS}
+
+
+def model_family(path: str, local_files_only: bool = True):
+    """The family of model.path (a tiny or shipped name, a directory, a hub id), read before anything loads; None
+    for a hub id that is not in the local HF cache (with local_files_only). A directory gerl cannot train (another
+    pipeline class, model_index.json missing or not JSON) is a UserError naming the class and the supported ones."""
+    from gerl.models.family import family_for_path
+
+    return family_for_path(resolve_model_path(path), local_files_only)
 
 
 def load_pipeline(path: str, dtype: str = "fp32", device: str = "auto", tiny_seed: int = 0,
                   components: tuple[str, ...] = WEIGHTED_COMPONENTS):
-    """StableDiffusion3Pipeline from "tiny", a shipped model ("ocr-mini"), a local diffusers directory, or a hub id (from the local HF cache
-    or downloaded). Errors name the path and what to do.
+    """The pipeline of model `path`: a tiny offline model ("tiny", "tiny-flux", ...), a shipped model ("ocr-mini"),
+    a local diffusers directory, or a hub id (from the local HF cache or downloaded), loaded with its family's
+    pipeline class. Errors name the path and what to do.
 
     components: the weighted parts to load (the rest, and the tokenizers of text encoders left out, are None).
     The transformer and text encoders take `dtype`; the VAE always decodes in fp32 (its config asks for
     force_upcast, and both Flow-GRPO and GeRL keep it there: in fp16 its decoder overflows)."""
-    from diffusers import StableDiffusion3Pipeline
-
     from gerl.logging.quiet import quiet_imported
+    from gerl.models.family import TINY_MODELS
 
     quiet_imported()  # its loading bar off, when this process asked for quiet (gerl's CLI and hosts do)
     if dtype not in DTYPES:
         raise UserError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    family = model_family(path, local_files_only=False)  # the bad-input errors, before any weights load
     path = resolve_model_path(path)
-    skipped = {name: None for name in WEIGHTED_COMPONENTS if name not in components}
-    skipped.update({TOKENIZERS[name]: None for name in skipped if name in TOKENIZERS})
-    if path == "tiny":
-        from gerl.models.tiny import build_tiny_sd3
-
-        pipe = build_tiny_sd3(tiny_seed)
+    skipped = {name: None for name in family.components if name not in components}
+    skipped.update({family.tokenizers[name]: None for name in skipped if name in family.tokenizers})
+    if path in TINY_MODELS:
+        pipe = family.build_tiny(tiny_seed, TINY_MODELS[path][1])
         for name in skipped:
             setattr(pipe, name, None)
-    elif Path(path).exists():
-        if not (Path(path) / "model_index.json").is_file():
-            raise UserError(f"model.path {path} is not a diffusers pipeline directory (no model_index.json); "
-                            "pass the folder that `save_pretrained` wrote, or a hub id")
-        pipe = StableDiffusion3Pipeline.from_pretrained(path, torch_dtype=DTYPES[dtype], **skipped)
-    elif re.fullmatch(r"[\w.\-]+/[\w.\-]+", path):
-        try:
-            pipe = StableDiffusion3Pipeline.from_pretrained(path, torch_dtype=DTYPES[dtype], **skipped)
-        except OSError as e:
-            raise UserError(f"cannot load {path} from the hub or the local HF cache ({str(e).splitlines()[0]}); "
-                            f"run `hf download {path}` where there is network, or pass a local directory") from None
     else:
-        raise UserError(f"model.path {path!r} is neither 'tiny', an existing directory, nor a hub id like "
-                        "stabilityai/stable-diffusion-3.5-medium")
+        try:
+            pipe = family.pipeline_cls().from_pretrained(path, torch_dtype=DTYPES[dtype], **skipped)
+        except OSError as e:
+            raise UserError(f"cannot load {path} ({str(e).splitlines()[0][:200]}); pass a complete diffusers "
+                            f"directory, or run `hf download {path}` where there is network") from None
     pipe.to(resolve_device(device), DTYPES[dtype])
     if pipe.vae is not None:
         pipe.vae.to(torch.float32)
     pipe.set_progress_bar_config(disable=True)
-    for m in (pipe.transformer, pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3):
+    for name in family.components:
+        m = getattr(pipe, name, None)
         if m is not None:
             m.requires_grad_(False)
             m.eval()
@@ -109,7 +111,8 @@ def load_pipeline(path: str, dtype: str = "fp32", device: str = "auto", tiny_see
 
 def add_lora(transformer, rank: int, alpha: float, targets: list[str], init: str = "default", seed: int = 0):
     """Attach a fresh LoRA (B = 0, so the policy starts equal to the base model) and keep its weights in fp32.
-    init: A's initialisation, peft's default (Kaiming-uniform) or "gaussian".
+    targets: module names (peft matches the end of a dotted name); empty = the model family's default
+    (Family.lora_targets). init: A's initialisation, peft's default (Kaiming-uniform) or "gaussian".
 
     seed: A is drawn from torch's CPU generator seeded with it (peft initialises on the CPU before moving the adapter
     to the base layer's device), and the caller's generator state is left as it was. peft itself draws from the
@@ -118,6 +121,9 @@ def add_lora(transformer, rank: int, alpha: float, targets: list[str], init: str
     A sets the first update's grad B.)"""
     from peft import LoraConfig
 
+    from gerl.models.family import family_of
+
+    targets = list(targets) or list(family_of(transformer).lora_targets)
     names = [name for name, _ in transformer.named_modules()]
     # peft matches a target against the end of a module's dotted name; check the same way to fail early.
     missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
@@ -148,14 +154,16 @@ def lora_metadata(transformer) -> dict:
 
 def save_lora(transformer, directory: str | Path) -> None:
     """Write the LoRA twice over, for the two loaders people use:
-    `pytorch_lora_weights.safetensors` for StableDiffusion3Pipeline.load_lora_weights, and
+    `pytorch_lora_weights.safetensors` for the family's pipeline's load_lora_weights (StableDiffusion3Pipeline,
+    FluxPipeline), and
     `adapter_config.json` + `adapter_model.safetensors` for peft.PeftModel.from_pretrained(transformer, directory)
     (PEFT's own file names and "base_model.model." keys; the LoRA is small, so the copy costs little)."""
-    from diffusers import StableDiffusion3Pipeline
     from safetensors.torch import save_file
 
+    from gerl.models.family import family_of
+
     weights = lora_state_dict(transformer)
-    StableDiffusion3Pipeline.save_lora_weights(
+    family_of(transformer).pipeline_cls().save_lora_weights(
         str(directory),
         transformer_lora_layers=weights,
         transformer_lora_adapter_metadata=lora_metadata(transformer),
@@ -207,25 +215,33 @@ def read_lora_metadata(path: str | Path) -> dict:
 
 
 class TextEmbedder:
-    """Prompt → SD3 text embeddings, with an LRU cache so the three text encoders run once per distinct prompt."""
+    """Prompt → text embeddings (the model family's `encode_prompts`), with an LRU cache so the text encoders run
+    once per distinct prompt."""
 
     def __init__(self, pipe, max_sequence_length: int, cache_size: int = 4096):
-        self.pipe = pipe
+        from gerl.models.family import family_of
+
+        self.pipe, self.family = pipe, family_of(pipe)
         self.max_sequence_length = max_sequence_length
         self.cache_size = cache_size
-        self._cache: OrderedDict[str, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self._cache: OrderedDict[str, Embeds] = OrderedDict()  # prompt → its row (batch of 1), on the CPU
         self.hits = self.misses = 0
 
     @torch.no_grad()
-    def _encode(self, prompts: list[str]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        embeds, _, pooled, _ = self.pipe.encode_prompt(
-            prompt=prompts, prompt_2=None, prompt_3=None, device=self.pipe.transformer.device,
-            do_classifier_free_guidance=False, max_sequence_length=self.max_sequence_length,
-        )
+    def _encode(self, prompts: list[str]) -> list[Embeds]:
+        e = self.family.encode_prompts(self.pipe, prompts, self.max_sequence_length)
         # Kept in host memory: one SD3.5 prompt is 333 × 4096 values, so thousands of them do not belong on a GPU.
-        return [(embeds[i].cpu(), pooled[i].cpu()) for i in range(len(prompts))]
+        # A masked row (a family whose prompts have their own lengths) keeps only its real tokens.
+        rows = []
+        for i in range(len(prompts)):
+            row = e.index(slice(i, i + 1)).to("cpu")
+            if row.mask is not None:
+                n = int(row.mask.sum())
+                row = Embeds(row.prompt[:, :n], row.pooled, mask=row.mask[:, :n])
+            rows.append(row)
+        return rows
 
-    def _lookup(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _lookup(self, prompts: list[str]) -> Embeds:
         missing = list(dict.fromkeys(p for p in prompts if p not in self._cache))
         self.misses += len(missing)
         self.hits += len(prompts) - len(missing)
@@ -235,13 +251,11 @@ class TextEmbedder:
             self._cache.move_to_end(p)
         while len(self._cache) > max(self.cache_size, len(set(prompts))):
             self._cache.popitem(last=False)
-        device = self.pipe.transformer.device
-        return (torch.stack([self._cache[p][0] for p in prompts]).to(device),
-                torch.stack([self._cache[p][1] for p in prompts]).to(device))
+        return Embeds.cat([self._cache[p] for p in prompts]).to(self.pipe.transformer.device)
 
     def __call__(self, prompts: list[str], with_negative: bool = False) -> Embeds:
-        prompt, pooled = self._lookup(prompts)
+        """Embeddings of `prompts`; with_negative adds the family's negative prompt's as the unconditional branch."""
+        embeds = self._lookup(prompts)
         if not with_negative:
-            return Embeds(prompt, pooled)
-        neg, neg_pooled = self._lookup([""] * len(prompts))
-        return Embeds(prompt, pooled, neg, neg_pooled)
+            return embeds
+        return embeds.with_negative(self._lookup([self.family.negative_prompt] * len(prompts)))

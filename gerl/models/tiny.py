@@ -1,10 +1,12 @@
-"""A tiny, seeded, randomly initialised Stable Diffusion 3 built entirely offline.
+"""Tiny, seeded, randomly initialised Stable Diffusion 3 and FLUX.1 pipelines built entirely offline.
 
 Every part of the real pipeline is present (MMDiT transformer, 16-channel VAE, two CLIP text encoders with
 projections, T5, and their tokenizers) at a size that runs a training step on a laptop CPU in about a second.
 The tokenizers are generated in code: CLIP gets a byte-level vocabulary with the `</w>` end-of-word variants its
 BPE needs and no merges (one token per character); T5 gets a unigram vocabulary of single characters.
 `save_tiny_sd3(dir)` writes a directory that `StableDiffusion3Pipeline.from_pretrained(dir)` loads.
+The tiny FLUX.1 (`build_tiny_flux`, model.path=tiny-flux / tiny-flux-schnell) shares the CLIP and T5 and their
+tokenizers; `save_tiny_flux(dir)` writes what `FluxPipeline.from_pretrained(dir)` loads.
 """
 
 from __future__ import annotations
@@ -93,24 +95,10 @@ def build_t5_tokenizer():
     return tok
 
 
-def build_tiny_sd3(seed: int = 0):
-    """Build the tiny SD3 pipeline (fp32, CPU), deterministic for a given seed.
+def _clip_config():
+    from transformers import CLIPTextConfig
 
-    Returns:
-        diffusers.StableDiffusion3Pipeline
-    """
-    from diffusers import (
-        AutoencoderKL,
-        FlowMatchEulerDiscreteScheduler,
-        SD3Transformer2DModel,
-        StableDiffusion3Pipeline,
-    )
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
-
-    torch.manual_seed(seed)
-    transformer = SD3Transformer2DModel(**TRANSFORMER_KWARGS)
-    vae = AutoencoderKL(**VAE_KWARGS)
-    clip_cfg = dict(
+    return CLIPTextConfig(
         hidden_size=CLIP_HIDDEN,
         intermediate_size=64,
         num_hidden_layers=2,
@@ -123,12 +111,14 @@ def build_tiny_sd3(seed: int = 0):
         eos_token_id=513,
         pad_token_id=513,
     )
-    text_encoder = CLIPTextModelWithProjection(CLIPTextConfig(**clip_cfg))
-    text_encoder_2 = CLIPTextModelWithProjection(CLIPTextConfig(**clip_cfg))
-    t5_tok = build_t5_tokenizer()
-    text_encoder_3 = T5EncoderModel(
+
+
+def _t5_encoder(tokenizer):
+    from transformers import T5Config, T5EncoderModel
+
+    return T5EncoderModel(
         T5Config(
-            vocab_size=len(t5_tok),
+            vocab_size=len(tokenizer),
             d_model=T5_WIDTH,
             d_kv=16,
             d_ff=64,
@@ -138,6 +128,29 @@ def build_tiny_sd3(seed: int = 0):
             decoder_start_token_id=0,
         )
     )
+
+
+def build_tiny_sd3(seed: int = 0):
+    """Build the tiny SD3 pipeline (fp32, CPU), deterministic for a given seed.
+
+    Returns:
+        diffusers.StableDiffusion3Pipeline
+    """
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+    )
+    from transformers import CLIPTextModelWithProjection
+
+    torch.manual_seed(seed)
+    transformer = SD3Transformer2DModel(**TRANSFORMER_KWARGS)
+    vae = AutoencoderKL(**VAE_KWARGS)
+    text_encoder = CLIPTextModelWithProjection(_clip_config())
+    text_encoder_2 = CLIPTextModelWithProjection(_clip_config())
+    t5_tok = build_t5_tokenizer()
+    text_encoder_3 = _t5_encoder(t5_tok)
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
     clip_tok = build_clip_tokenizer()
     pipe = StableDiffusion3Pipeline(
@@ -159,3 +172,55 @@ def build_tiny_sd3(seed: int = 0):
 def save_tiny_sd3(path, seed: int = 0) -> None:
     """Write the tiny SD3 to `path` as a diffusers directory (safetensors)."""
     build_tiny_sd3(seed).save_pretrained(str(path), safe_serialization=True)
+
+
+# The tiny FLUX.1: FLUX's block layout (double-stream then single-stream blocks, RoPE over (0, row, column) ids,
+# 2×2-packed 16-channel latents) at toy size, with the tiny CLIP (its pooled output) and T5 above.
+FLUX_TRANSFORMER_KWARGS = dict(
+    patch_size=1,
+    in_channels=64,  # 16 latent channels × a 2×2 patch
+    num_layers=2,  # double-stream blocks
+    num_single_layers=2,
+    attention_head_dim=16,
+    num_attention_heads=2,
+    joint_attention_dim=T5_WIDTH,
+    pooled_projection_dim=CLIP_HIDDEN,  # CLIPTextModel's pooler output
+    axes_dims_rope=(4, 6, 6),  # RoPE split of a head over the (0, row, column) ids: sums to attention_head_dim
+)
+FLUX_VAE_KWARGS = dict(VAE_KWARGS, shift_factor=0.1159, scaling_factor=0.3611)  # FLUX.1's VAE factors
+# The released schedulers' configs: dev shifts by the image's token count, schnell not at all.
+FLUX_SCHEDULERS = {
+    "dev": dict(base_image_seq_len=256, base_shift=0.5, max_image_seq_len=4096, max_shift=1.15, shift=3.0,
+                use_dynamic_shifting=True),
+    "schnell": dict(base_image_seq_len=256, base_shift=0.5, max_image_seq_len=4096, max_shift=1.15, shift=1.0,
+                    use_dynamic_shifting=False),
+}
+
+
+def build_tiny_flux(seed: int = 0, schnell: bool = False):
+    """Build the tiny FLUX.1 pipeline (fp32, CPU), deterministic for a given seed: dev (a guidance embedding,
+    dynamic shift) or schnell (neither).
+
+    Returns:
+        diffusers.FluxPipeline
+    """
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextModel
+
+    torch.manual_seed(seed)
+    transformer = FluxTransformer2DModel(**FLUX_TRANSFORMER_KWARGS, guidance_embeds=not schnell)
+    vae = AutoencoderKL(**FLUX_VAE_KWARGS)
+    text_encoder = CLIPTextModel(_clip_config())
+    t5_tok = build_t5_tokenizer()
+    text_encoder_2 = _t5_encoder(t5_tok)
+    scheduler = FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULERS["schnell" if schnell else "dev"])
+    pipe = FluxPipeline(transformer=transformer, scheduler=scheduler, vae=vae, text_encoder=text_encoder,
+                        tokenizer=build_clip_tokenizer(), text_encoder_2=text_encoder_2, tokenizer_2=t5_tok)
+    for module in (transformer, vae, text_encoder, text_encoder_2):
+        module.eval()
+    return pipe
+
+
+def save_tiny_flux(path, seed: int = 0, schnell: bool = False) -> None:
+    """Write the tiny FLUX.1 to `path` as a diffusers directory (safetensors)."""
+    build_tiny_flux(seed, schnell).save_pretrained(str(path), safe_serialization=True)

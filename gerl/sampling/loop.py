@@ -1,8 +1,9 @@
 """The denoising loop: ODE everywhere except the SDE steps, recording exactly what training needs to replay them.
 
-A batch's schedule (σ_0 = 1 > σ_1 > … > σ_N = 0) comes from the model's own FlowMatchEulerDiscreteScheduler so
-that ODE sampling here reproduces the stock diffusers pipeline. The final step (σ_N = 0) is always an ODE step: the
-CPS std vanishes there and there is nothing left to explore.
+A batch's schedule (σ_0 = 1 > σ_1 > … > σ_N = 0) comes from the model's own FlowMatchEulerDiscreteScheduler, set
+as its family's stock pipeline sets it (gerl/models/<family>.py), so that ODE sampling here reproduces that
+pipeline. The final step (σ_N = 0) is always an ODE step: the CPS std vanishes there and there is nothing left to
+explore. Latents are the family's canonical unpacked ones, (B, C, h, w), whatever the transformer reads.
 """
 
 from __future__ import annotations
@@ -16,31 +17,56 @@ from gerl.sampling.steps import StepOutput, ode_step, stochastic_step
 
 @dataclass
 class Embeds:
-    """Text conditioning for a batch. prompt: (B, L, D), pooled: (B, P); the negative pair is for CFG."""
+    """Text conditioning for a batch, as the model family's velocity call reads it (gerl/models/<family>.py).
+
+    prompt: (B, L, D) token embeddings; pooled: (B, P) or None (a family without a pooled vector); the negative
+    pair is the unconditional branch of classifier-free guidance. mask / neg_mask: (B, L) 1 for real tokens, or None
+    when every row has all L tokens (SD3, FLUX pad every prompt to one length). Rows of different lengths (a family
+    that encodes each prompt to its own length) are padded with zeros and mask 0 when batches are concatenated."""
 
     prompt: torch.Tensor
-    pooled: torch.Tensor
+    pooled: torch.Tensor | None
     neg_prompt: torch.Tensor | None = None
     neg_pooled: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    neg_mask: torch.Tensor | None = None
+
+    FIELDS = ("prompt", "pooled", "neg_prompt", "neg_pooled", "mask", "neg_mask")
 
     def index(self, idx) -> "Embeds":
         pick = lambda t: None if t is None else t[idx]  # noqa: E731
-        return Embeds(pick(self.prompt), pick(self.pooled), pick(self.neg_prompt), pick(self.neg_pooled))
+        return Embeds(*(pick(getattr(self, f)) for f in self.FIELDS))
 
     def to(self, device) -> "Embeds":
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
-        return Embeds(move(self.prompt), move(self.pooled), move(self.neg_prompt), move(self.neg_pooled))
+        return Embeds(*(move(getattr(self, f)) for f in self.FIELDS))
 
     @staticmethod
     def cat(items: list["Embeds"]) -> "Embeds":
-        cat = lambda ts: None if ts[0] is None else torch.cat(ts)  # noqa: E731
-        return Embeds(*(cat([getattr(e, f) for e in items]) for f in ("prompt", "pooled", "neg_prompt", "neg_pooled")))
+        def cat(ts):
+            if ts[0] is None:
+                return None
+            longest = max(t.shape[1] for t in ts) if ts[0].ndim >= 2 else 0
+            # masked rows of different lengths: zero padding at the end, where the mask is 0
+            return torch.cat([t if t.ndim < 2 or t.shape[1] == longest
+                              else torch.nn.functional.pad(t, (0, 0) * (t.ndim - 2) + (0, longest - t.shape[1]))
+                              for t in ts])
+        out = Embeds(*(cat([getattr(e, f) for e in items]) for f in Embeds.FIELDS))
+        for seq, mask in (("prompt", "mask"), ("neg_prompt", "neg_mask")):
+            lengths = {getattr(e, seq).shape[1] for e in items if getattr(e, seq) is not None}
+            if len(lengths) > 1 and getattr(out, mask) is None:
+                raise ValueError(f"embeddings of different lengths {sorted(lengths)} need a mask to be concatenated")
+        return out
+
+    def with_negative(self, neg: "Embeds") -> "Embeds":
+        """These embeddings with `neg`'s as the unconditional branch."""
+        return Embeds(self.prompt, self.pooled, neg.prompt, neg.pooled, self.mask, neg.mask)
 
 
 @dataclass
 class Schedule:
     sigmas: torch.Tensor  # (N + 1,) fp32, from 1 down to 0
-    timesteps: torch.Tensor  # (N,) fp32, the transformer's timestep input (σ·1000 for SD3)
+    timesteps: torch.Tensor  # (N,) fp32, the scheduler's timesteps (σ·1000); a family's velocity converts them for its transformer
 
     @property
     def num_steps(self) -> int:
@@ -53,7 +79,9 @@ class Schedule:
 
 
 def make_schedule(scheduler_config, num_steps: int) -> Schedule:
-    """σ and timestep schedule of `num_steps` steps, computed by a private copy of the model's scheduler."""
+    """σ and timestep schedule of `num_steps` steps, computed by a private copy of the model's scheduler with its
+    default spacing (what StableDiffusion3Pipeline uses; a family whose pipeline passes its own σ or a
+    resolution-dependent shift builds its schedule in its `schedule`)."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     sched = FlowMatchEulerDiscreteScheduler.from_config(scheduler_config)
@@ -97,31 +125,16 @@ class Trajectory:
 
 
 def predict_velocity(transformer, x: torch.Tensor, timestep: torch.Tensor, embeds: Embeds, guidance: float) -> torch.Tensor:
-    """The transformer's velocity at x (B, C, h, w) for timesteps (B,), with classifier-free guidance if > 1.
+    """The transformer's velocity (B, C, h, w) fp32 at canonical latents x (B, C, h, w) for scheduler timesteps (B,),
+    with the guidance of its model family (SD3: classifier-free when > 1; FLUX.1-dev: the guidance embedding), as
+    that family's `velocity` computes it (gerl/models/family.py; the family is the transformer's class).
 
     The same function serves the rollout and the training replay: sharing it is what makes the recomputed
     log-prob equal the rollout's.
     """
-    dtype = next(transformer.parameters()).dtype
-    if guidance > 1.0:
-        if embeds.neg_prompt is None:
-            raise ValueError("guidance > 1 needs negative embeddings")
-        out = transformer(
-            hidden_states=torch.cat([x, x]).to(dtype),
-            timestep=torch.cat([timestep, timestep]),
-            encoder_hidden_states=torch.cat([embeds.neg_prompt, embeds.prompt]).to(dtype),
-            pooled_projections=torch.cat([embeds.neg_pooled, embeds.pooled]).to(dtype),
-            return_dict=False,
-        )[0]
-        uncond, cond = out.float().chunk(2)
-        return uncond + guidance * (cond - uncond)
-    return transformer(
-        hidden_states=x.to(dtype),
-        timestep=timestep,
-        encoder_hidden_states=embeds.prompt.to(dtype),
-        pooled_projections=embeds.pooled.to(dtype),
-        return_dict=False,
-    )[0].float()
+    from gerl.models.family import family_of
+
+    return family_of(transformer).velocity(transformer, x, timestep, embeds, guidance)
 
 
 @torch.no_grad()

@@ -10,7 +10,8 @@ import torch
 from PIL import Image
 
 from gerl.config import SamplingConfig
-from gerl.sampling.loop import Embeds, Schedule, Trajectory, denoise, make_schedule, sde_window
+from gerl.models.family import families, family_of
+from gerl.sampling.loop import Embeds, Schedule, Trajectory, denoise, sde_window
 from gerl.workers.batch import RolloutBatch
 
 
@@ -41,12 +42,12 @@ def group_seed(seed: int, step: int, group_id: int) -> int:
 
 
 @torch.no_grad()
-def decode(vae, latents: torch.Tensor) -> list[Image.Image]:
-    """SD3 latents (B, 16, h, w) → PIL images, in the VAE's own dtype (fp32: the loader keeps it there, as both
-    peers do and as its config's force_upcast asks; in fp16 its decoder overflows to NaN, and a NaN image would
-    become a black image scoring ~0 without a word — so a non-finite decode is reported on stderr)."""
-    z = latents / vae.config.scaling_factor + vae.config.shift_factor
-    x = vae.decode(z.to(vae.device, vae.dtype), return_dict=False)[0].float()
+def decode(vae, latents: torch.Tensor, family=None) -> list[Image.Image]:
+    """Canonical latents (B, C, h, w) → PIL images through the model family's VAE decoding (default: SD3's, the
+    scaling and shift factors), in the VAE's own dtype (fp32: the loader keeps it there, as both peers do and as
+    its config's force_upcast asks; in fp16 its decoder overflows to NaN, and a NaN image would become a black
+    image scoring ~0 without a word — so a non-finite decode is reported on stderr)."""
+    x = (family or families()["sd3"]).decode(vae, latents).float()
     bad = int((~torch.isfinite(x.flatten(1))).any(1).sum())
     if bad:
         print(f"gerl: warning: the VAE decoded {bad} of {len(x)} images with NaN/inf values (VAE dtype {vae.dtype}); "
@@ -62,9 +63,9 @@ class RolloutWorker:
         self.pipe, self.embedder, self.cfg = pipe, embedder, sampling
         self.record_sde = record_sde  # False: ODE everywhere, only the clean final latents kept (nft, awm)
         self.seed = seed
-        self.vae_factor = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
-        self.latent_shape = (pipe.transformer.config.in_channels, resolution // self.vae_factor, resolution // self.vae_factor)
-        self.train_schedule = make_schedule(pipe.scheduler.config, sampling.num_steps)
+        self.family = family_of(pipe)  # latent layout, σ schedule, decoding (the velocity: predict_velocity)
+        self.latent_shape = self.family.latent_shape(pipe, resolution)
+        self.train_schedule = self.family.schedule(pipe.scheduler.config, sampling.num_steps, self.latent_shape)
         self.policy_version = 0
 
     @property
@@ -83,7 +84,7 @@ class RolloutWorker:
         window_rng = torch.Generator().manual_seed(sample_seed(self.seed, step, -1))
         sde_steps = (sde_window(sched.num_steps, cfg.sde_window_size, tuple(cfg.sde_window_range), window_rng)
                      if self.record_sde else [])
-        guided = cfg.guidance_scale > 1.0
+        guided = self.family.uses_negative(cfg.guidance_scale)
         trajs, images, futures, embeds_all, spans, versions = [], [], [], [], [], []
         t_gen = t_dec = 0.0
         self.pipe.transformer.eval()
@@ -105,7 +106,7 @@ class RolloutWorker:
             if traj.final_latents.is_cuda:
                 torch.cuda.synchronize()  # CUDA is asynchronous: without this, denoising time lands in decode_s
             t1 = time.perf_counter()
-            mb_images = decode(self.pipe.vae, traj.final_latents)
+            mb_images = decode(self.pipe.vae, traj.final_latents, self.family)
             t2 = time.perf_counter()
             t_dec += t2 - t1
             t_gen += t1 - t0
@@ -129,15 +130,15 @@ class RolloutWorker:
     def sample_images(self, prompts: list[str], seed: int, num_steps: int, guidance: float,
                       micro_batch_size: int | None = None) -> list[Image.Image]:
         """ODE sampling for validation / `gerl sample` / `gerl eval`: image i uses noise seed (seed, i)."""
-        sched: Schedule = make_schedule(self.pipe.scheduler.config, num_steps)
+        sched: Schedule = self.family.schedule(self.pipe.scheduler.config, num_steps, self.latent_shape)
         mb = micro_batch_size or self.cfg.micro_batch_size
         out = []
         self.pipe.transformer.eval()
         for start in range(0, len(prompts), mb):
             chunk = prompts[start:start + mb]
             noise, _ = latent_noise([sample_seed(seed, 0, start + i) for i in range(len(chunk))], self.latent_shape)
-            embeds = self.embedder(chunk, with_negative=guidance > 1.0)
+            embeds = self.embedder(chunk, with_negative=self.family.uses_negative(guidance))
             traj = denoise(self.pipe.transformer, embeds, noise.to(self.device), sched, [], self.cfg.sampler,
                            self.cfg.noise_level, guidance, None)
-            out.extend(decode(self.pipe.vae, traj.final_latents))
+            out.extend(decode(self.pipe.vae, traj.final_latents, self.family))
         return out

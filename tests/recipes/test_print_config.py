@@ -142,6 +142,40 @@ def test_the_peer_recipes_adapt_the_peers_layers_of_sd35_medium(recipe):
     assert sum(p.numel() for p in tr.parameters() if p.requires_grad) == 18_776_064  # vs 23,887,872 with attn2
 
 
+# flow_grpo's scripts/train_flux.py target_modules, which Flow-Factory's flux1.py default_target_modules repeat
+FLUX_TARGETS = ["attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0", "attn.add_k_proj", "attn.add_q_proj",
+                "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
+                "ff_context.net.2"]
+# recipe → its peer's values: (sampler or algorithm, num_steps, eval steps, guidance, resolution, prompts × group,
+# optimizer steps per step, clip range, noise level / nft beta, T5 tokens)
+FLUX_RECIPES = {
+    "flow_grpo_flux_ocr.yaml": ("sde", 6, 28, 3.5, 512, (48, 24), 2, 1e-4, 0.9, 128),  # pickscore_flux
+    "flow_grpo_flux_fast_ocr.yaml": ("cps", 6, 28, 3.5, 512, (48, 24), 2, 1e-5, 0.8, 128),  # geneval_flux_fast
+    "nft_flux_ocr.yaml": ("nft", 8, 28, 1.0, 384, (48, 16), 1, None, 1.0, 512),  # Flow-Factory nft/lora/flux1
+    "awm_flux_ocr.yaml": ("awm", 10, 20, 3.5, 512, (48, 16), 1, 1.0, None, 512),  # Flow-Factory awm/lora/flux1
+}
+
+
+@pytest.mark.parametrize("recipe", list(FLUX_RECIPES))
+def test_flux_recipes_are_their_peers_settings(recipe):
+    kind, steps, eval_steps, guidance, res, (prompts, group), opt_steps, clip, level, tokens = FLUX_RECIPES[recipe]
+    c = to_dict(load_config(str(REPO / "recipes" / recipe)))
+    m, s, t, a = c["model"], c["sampling"], c["train"], c["algo"]
+    assert (m["path"], m["dtype"], m["resolution"], m["max_sequence_length"]) == \
+        ("black-forest-labs/FLUX.1-dev", "bf16", res, tokens)
+    assert (m["lora_rank"], m["lora_alpha"], m["lora_init"], m["lora_targets"]) == (64, 128, "gaussian", FLUX_TARGETS)
+    assert (s["num_steps"], s["eval_num_steps"], s["guidance_scale"], s["eval_guidance_scale"]) == \
+        (steps, eval_steps, guidance, guidance)
+    assert (c["data"]["prompts_per_step"], c["data"]["group_size"], c["reward"]["name"]) == (prompts, group, "ocr")
+    assert prompts * group // t["mini_batch_size"] == opt_steps
+    assert (t["learning_rate"], t["weight_decay"], t["beta"]) == (3e-4, 1e-4, 0.0)
+    if kind in ("sde", "cps"):
+        assert (a["name"], s["sampler"], t["clip_range"], s["noise_level"]) == ("flow_grpo", kind, clip, level)
+        assert c["conventions"]["preset"] == "flow_grpo" and t["advantage"] == "global_std"
+    else:
+        assert a["name"] == kind and (t["clip_range"] == clip if clip else a["nft_beta"] == level)
+
+
 def test_launcher_without_the_dataset_fails_cleanly(tmp_path):
     r = subprocess.run(["bash", str(REPO / "recipes" / "run_sd3_fast_3p_a1_r2.sh"), "tiny", str(tmp_path), "--print-config"],
                        capture_output=True, text=True, timeout=60, env=env())

@@ -1,0 +1,197 @@
+"""Model families: what differs between SD3/SD3.5, FLUX.1 (and Qwen-Image) lives behind one small interface.
+
+Everything above the velocity call is architecture-free (the SDE/CPS step and its log-prob, Flow-GRPO / Fast / NFT /
+AWM, the engine and its schedules, rewards, checkpoints). A family answers the few questions that are not: how its
+pipeline is loaded, how prompts become embeddings, the latent layout, the velocity call, the σ schedule, decoding,
+and the default LoRA targets. One file per family (gerl/models/sd3.py, flux.py) subclasses `Family`; the trainer,
+the algorithms and the workers never ask which family they hold — a worker looks its family up once
+(`family_of(pipe)`) and calls its methods, and `gerl.sampling.loop.predict_velocity` dispatches on the transformer.
+
+Conventions every family keeps, so that the shared code stays shared:
+- The canonical latent is *unpacked*, (B, C, h, w) fp32: noise is drawn in it, the SDE steps and their log-probs
+  (means over every latent element, which packing would not change) run on it, the trajectory records it. A family
+  that packs 2×2 patches into tokens (FLUX, Qwen-Image) packs inside `velocity` and unpacks its output.
+- `Schedule.timesteps` are the scheduler's own (σ·1000); `velocity` converts to what its transformer reads.
+- `guidance` is the family's one guidance number (sampling.guidance_scale): SD3's classifier-free scale, FLUX.1-dev's
+  distilled guidance embedding, Qwen-Image's true_cfg_scale. `uses_negative(guidance)` says whether `velocity` then
+  needs the negative embeddings (which the text cache computes from `negative_prompt`).
+
+This module imports nothing heavy: the config layer and the rehearsal read TINY_MODELS without torch or diffusers.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from gerl.errors import UserError
+
+# Offline tiny models by name (model.path=NAME): family name and the variant its builder takes.
+TINY_MODELS = {
+    "tiny": ("sd3", ""),  # gerl.models.tiny.build_tiny_sd3
+    "tiny-flux": ("flux", "dev"),  # gerl.models.tiny.build_tiny_flux: guidance embedding, dynamic shift
+    "tiny-flux-schnell": ("flux", "schnell"),  # no guidance embedding, no shift (as FLUX.1-schnell's configs)
+}
+_MODULES = ("gerl.models.sd3", "gerl.models.flux")  # each registers its family on import
+_REGISTRY: dict[str, "Family"] = {}
+
+
+class Family:
+    """One model family. Subclasses set the class attributes and implement the methods; shapes are per batch.
+
+    Attributes:
+        name: short name ("sd3", "flux").
+        title: what a user calls it, for messages ("SD3 / SD3.5", "FLUX.1-dev / -schnell").
+        pipeline_classes: the diffusers pipeline class names (model_index.json `_class_name`) this family loads.
+        transformer_class: the diffusers transformer class name; `family_of` recognises a transformer by it.
+        components: the pipeline's weighted parts; text encoders map to their tokenizers in `tokenizers`.
+        negative_prompt: the text of the unconditional branch when `uses_negative` (the stock pipelines' default).
+        lora_targets: the default LoRA target modules (model.lora_targets = []), as the peers train this family.
+    """
+
+    name: str = ""
+    title: str = ""
+    pipeline_classes: tuple[str, ...] = ()
+    transformer_class: str = ""
+    components: tuple[str, ...] = ()
+    tokenizers: dict[str, str] = {}
+    negative_prompt: str = ""
+    lora_targets: tuple[str, ...] = ()
+
+    def pipeline_cls(self):
+        """The diffusers pipeline class (from_pretrained, save_lora_weights)."""
+        import diffusers
+
+        return getattr(diffusers, self.pipeline_classes[0])
+
+    def build_tiny(self, seed: int, variant: str):
+        """The offline tiny pipeline of this family (fp32, CPU, random weights from `seed`)."""
+        raise NotImplementedError
+
+    def encode_prompts(self, pipe, prompts: list[str], max_sequence_length: int):
+        """Prompts → `Embeds` (batch B = len(prompts), no negatives), on the text encoders' device, no grad.
+        The text cache (gerl.models.loader.TextEmbedder) stores each prompt's row: a family whose prompts have
+        different lengths sets `Embeds.mask` (B, L) and the cache pads rows to the longest."""
+        raise NotImplementedError
+
+    def uses_negative(self, guidance: float) -> bool:
+        """Whether `velocity` at this guidance reads the negative embeddings (a second, unconditional pass)."""
+        raise NotImplementedError
+
+    def latent_shape(self, pipe, resolution: int) -> tuple[int, int, int]:
+        """The canonical (unpacked) latent of one image, (C, h, w), at `resolution` pixels."""
+        raise NotImplementedError
+
+    def schedule(self, scheduler_config, num_steps: int, latent_shape: tuple[int, ...]):
+        """The `Schedule` (σ from 1 to 0 and the transformer timesteps) that the stock pipeline uses for
+        `num_steps` steps of an image whose latent is `latent_shape`."""
+        raise NotImplementedError
+
+    def velocity(self, transformer, x, timestep, embeds, guidance: float):
+        """The velocity (B, C, h, w) fp32 at canonical latents x (B, C, h, w) and scheduler timesteps (B,), with
+        this family's guidance. Rollout and training both call it: it must be a function of its inputs alone."""
+        raise NotImplementedError
+
+    def decode(self, vae, latents):
+        """Canonical latents (B, C, h, w) → the VAE's images (B, 3, H, W) float in [-1, 1] (before clamping)."""
+        raise NotImplementedError
+
+
+def register(cls: type[Family]) -> type[Family]:
+    _REGISTRY[cls.name] = cls()
+    return cls
+
+
+def families() -> dict[str, Family]:
+    """Every registered family by name (importing the family modules on the first call)."""
+    import importlib
+
+    for m in _MODULES:
+        importlib.import_module(m)
+    return _REGISTRY
+
+
+def supported() -> str:
+    """The pipeline classes gerl trains, for messages: "StableDiffusion3Pipeline (SD3 / SD3.5), FluxPipeline (...)"."""
+    return ", ".join(f"{'/'.join(f.pipeline_classes)} ({f.title})" for f in families().values())
+
+
+def family_of(obj) -> Family:
+    """The family of a pipeline (or anything with a `.transformer`) or of a transformer itself, by the transformer's
+    class: a LoRA attached through diffusers' peft integration or a deep copy keeps it."""
+    tr = getattr(obj, "transformer", obj)
+    names = {c.__name__ for c in type(tr).__mro__}
+    for f in families().values():
+        if f.transformer_class in names:
+            return f
+    raise ValueError(f"{type(tr).__name__} belongs to no model family gerl knows; supported: {supported()}")
+
+
+def by_pipeline_class(class_name: str, where: str) -> Family:
+    """The family that loads pipeline `class_name`, or a UserError naming it and what gerl supports."""
+    for f in families().values():
+        if class_name in f.pipeline_classes:
+            return f
+    raise UserError(f"{where} holds a {class_name or 'pipeline without a _class_name'}, which gerl cannot train; "
+                    f"it trains {supported()}")
+
+
+def pipeline_class_in(directory: Path, where: str) -> str:
+    """`_class_name` of a diffusers directory's model_index.json; a UserError when it is missing or not JSON."""
+    index = directory / "model_index.json"
+    if not index.is_file():
+        raise UserError(f"{where} is not a diffusers pipeline directory (no model_index.json); pass the folder that "
+                        "`save_pretrained` wrote, or a hub id")
+    try:
+        data = json.loads(index.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{where}: {index} is not readable JSON ({str(e).splitlines()[0][:120]}); re-save the "
+                        "pipeline with `save_pretrained`") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{where}: {index} is not a JSON object; re-save the pipeline with `save_pretrained`")
+    return str(data.get("_class_name") or "")
+
+
+def resolution_shift(image_seq_len: int, config, default_max_shift: float) -> float:
+    """`mu` of the resolution-dependent (dynamic) shift: linear in the image's token count, from base_shift at
+    base_image_seq_len tokens to max_shift at max_image_seq_len (the scheduler config's keys, with the stock
+    pipelines' defaults: 256 → 0.5, 4096 → `default_max_shift`, which is 1.15 in FluxPipeline and 1.16 in
+    StableDiffusion3Pipeline). Shared by the families whose stock pipelines shift σ by the image's size (FLUX.1,
+    Qwen-Image, and SD3 when its scheduler config asks for dynamic shifting)."""
+    lo_n, hi_n = config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096)
+    lo, hi = config.get("base_shift", 0.5), config.get("max_shift", default_max_shift)
+    slope = (hi - lo) / (hi_n - lo_n)
+    return lo + slope * (image_seq_len - lo_n)
+
+
+HUB_ID = re.compile(r"[\w.\-]+/[\w.\-]+")
+
+
+def family_for_path(path: str, local_files_only: bool = True) -> Family | None:
+    """The family of model.path, before anything loads: a tiny model's, a directory's by its model_index.json, a hub
+    id's from its model_index.json in the local HF cache (or downloaded when `local_files_only` is False).
+    None for a hub id not in the cache (the load then downloads it and checks again). A UserError names a
+    directory that gerl cannot train (another pipeline class, no or broken model_index.json) or a bad path.
+    `path` is resolved already (a shipped model's name → its directory: gerl.models.loader.resolve_model_path)."""
+    if path in TINY_MODELS:
+        return families()[TINY_MODELS[path][0]]
+    p = Path(path)
+    if p.is_dir():
+        return by_pipeline_class(pipeline_class_in(p, f"model.path {path}"), f"model.path {path}")
+    if p.exists():
+        raise UserError(f"model.path {path} is a file; pass a diffusers pipeline directory or a hub id")
+    if not HUB_ID.fullmatch(path):
+        raise UserError(f"model.path {path!r} is neither a tiny model ({', '.join(TINY_MODELS)}), an existing "
+                        "directory, nor a hub id like stabilityai/stable-diffusion-3.5-medium")
+    try:
+        from huggingface_hub import hf_hub_download
+
+        index = hf_hub_download(path, "model_index.json", local_files_only=local_files_only)
+    except Exception as e:  # noqa: BLE001 — not cached, gated, offline: the caller decides what that means
+        if local_files_only:
+            return None
+        raise UserError(f"cannot load {path} from the hub or the local HF cache ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0][:160] if str(e) else ''}); run `hf download {path}` where there "
+                        "is network, or pass a local directory") from None
+    return by_pipeline_class(pipeline_class_in(Path(index).parent, f"model.path {path}"), f"model.path {path}")

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# bash recipes/run_flux_awm_ocr_8p_hybrid.sh MODEL_PATH_OR_HUB_ID DATASET_DIR [key=value ...] [--print-config]
+# Advantage Weighted Matching on FLUX.1-dev, OCR reward (recipes/awm_flux_ocr.yaml: Flow-Factory's flux1 AWM
+# settings, bf16), on 8 GPUs colocated (hybrid), sync — Flow-Factory's num_processes: 8. 48 prompts × 16 images =
+# 96 per GPU; one optimizer step per step.
+# DATASET_DIR holds train.txt and test.txt (Flow-GRPO's dataset/ocr layout). max_steps is the recipe's (its peers stop
+# runs by hand). Rehearse the layout on CPU first: bash recipes/run_flux_awm_ocr_8p_hybrid.sh tiny-flux DATASET_DIR engine.rehearse=true max_steps=2
+# --print-config shows the resolved config and exits.
+set -euo pipefail
+MODEL="${1:?usage: $0 MODEL_PATH_OR_HUB_ID DATASET_DIR [key=value ...]}"
+DATA="${2:?usage: $0 MODEL_PATH_OR_HUB_ID DATASET_DIR [key=value ...]}"
+shift 2
+RECIPE=recipes/awm_flux_ocr.yaml EPOCHS=0 exec bash "$(dirname "$0")/_launch.sh" "$MODEL" "$DATA" "${OUT:-runs/run_flux_awm_ocr_8p_hybrid}" engine.kind=ray engine.device=cuda engine.hybrid=true engine.actor_workers=8 engine.rollout_workers=8 "$@"

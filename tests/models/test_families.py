@@ -1,0 +1,131 @@
+"""The model-family layer (gerl/models/family.py): a model's family comes from its model_index.json before anything
+loads (a directory gerl cannot train is one clear error, on every path that reaches the loader), and for every
+family (SD3, FLUX.1-dev, FLUX.1-schnell) and every algorithm the first update starts where the rollout left off:
+ratio = 1 for Flow-GRPO, Flow-GRPO-Fast and AWM, the policy's velocity = the anchor's for NFT (fp32, ≤ 1e-6)."""
+
+import copy
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from gerl.config import AlgoConfig, ModelConfig, SamplingConfig, TrainConfig
+from gerl.errors import UserError
+from gerl.models.family import TINY_MODELS, families, family_for_path, family_of
+from gerl.models.loader import TextEmbedder, add_lora, load_pipeline, model_family
+from gerl.models.tiny import RESOLUTION, TOKEN_LENGTH
+from gerl.sampling.loop import predict_velocity
+from gerl.workers.actor import ActorWorker
+from gerl.workers.rollout import RolloutWorker
+
+PROMPTS = ["a red cat", "a red cat", "hello 42", "hello 42"]
+GROUPS = torch.tensor([0, 0, 1, 1])
+
+
+def _index(directory, text: str):
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "model_index.json").write_text(text)
+    return directory
+
+
+def test_each_tiny_model_and_saved_directory_is_its_familys(tiny_dir, tmp_path):
+    from gerl.models.tiny import save_tiny_flux
+
+    assert {name: family_for_path(name).name for name in TINY_MODELS} == {
+        "tiny": "sd3", "tiny-flux": "flux", "tiny-flux-schnell": "flux"}
+    assert family_for_path(str(tiny_dir)).name == "sd3"
+    save_tiny_flux(tmp_path / "flux", 0)
+    assert model_family(str(tmp_path / "flux")).name == "flux"
+    assert model_family("ocr-mini").name == "sd3"  # a shipped model by name
+    pipe = load_pipeline(str(tmp_path / "flux"), components=("transformer",))
+    assert family_of(pipe) is families()["flux"] and pipe.vae is None and pipe.text_encoder_2 is None
+
+
+@pytest.mark.parametrize("content, expected", [
+    (json.dumps({"_class_name": "StableDiffusionXLPipeline", "unet": ["diffusers", "UNet2DConditionModel"]}),
+     "holds a StableDiffusionXLPipeline, which gerl cannot train; it trains StableDiffusion3Pipeline (SD3 / SD3.5), "
+     "FluxPipeline (FLUX.1-dev / FLUX.1-schnell)"),
+    ("{not json", "model_index.json is not readable JSON"),
+    ("[1, 2]", "model_index.json is not a JSON object"),
+    (json.dumps({"unet": ["diffusers", "UNet2DConditionModel"]}), "holds a pipeline without a _class_name"),
+])
+def test_a_directory_gerl_cannot_train_is_named_with_the_supported_families(tmp_path, content, expected):
+    d = _index(tmp_path / "model", content)
+    with pytest.raises(UserError, match=expected.replace("(", r"\(").replace(")", r"\)")):
+        model_family(str(d))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="no model_index.json"):
+        model_family(str(tmp_path / "empty"))
+    (tmp_path / "f.bin").write_bytes(b"x")
+    with pytest.raises(UserError, match="is a file"):
+        model_family(str(tmp_path / "f.bin"))
+    with pytest.raises(UserError, match="neither a tiny model"):
+        model_family("no-such-model")
+
+
+@pytest.mark.parametrize("kind", ["local", "ray"])
+def test_prepare_refuses_such_a_directory_before_anything_loads(tmp_path, kind, monkeypatch):
+    """prepare() is where `gerl train` and the Ray driver check every input: the family check is there, before the
+    reward is built or any weights load."""
+    from gerl.engine import roles
+    from gerl.trainer import prepare
+    from tests.train.helpers import small_config
+
+    d = _index(tmp_path / "sdxl", json.dumps({"_class_name": "StableDiffusionXLPipeline"}))
+    monkeypatch.setattr(roles, "build_pipeline", lambda *a, **k: pytest.fail("the model started loading"))
+    cfg = small_config(tmp_path / "run", f"model.path={d}", f"engine.kind={kind}", "engine.device=cpu")
+    with pytest.raises(UserError, match="StableDiffusionXLPipeline"):
+        prepare(cfg)
+
+
+# ------------------------------------------------------------------ ratio = 1 before the first update
+
+@pytest.fixture(scope="module", params=list(TINY_MODELS))
+def model(request):
+    return load_pipeline(request.param)
+
+
+ALGOS = {  # sampling window, algorithm
+    "flow_grpo": (0, "flow_grpo"), "fast": (2, "flow_grpo"), "awm": (0, "awm"), "nft": (0, "nft"),
+}
+
+
+@pytest.mark.parametrize("algo", list(ALGOS))
+def test_the_first_update_starts_where_the_rollout_left_off(model, algo):
+    """Rollout micro-batches of 4, training micro-batches of 1 in a shuffled order: a velocity that depended on
+    its batch neighbours (a packing that mixed samples) or on anything but its inputs would show here. SD3 runs
+    classifier-free guidance (a doubled batch), FLUX.1-dev its guidance embedding, schnell none."""
+    window, name = ALGOS[algo]
+    family = family_of(model)
+    guidance = 3.0 if family.name == "sd3" else 3.5
+    tr = copy.deepcopy(model.transformer)
+    add_lora(tr, 4, 8.0, [], seed=0)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # a live adapter: B = 0 would hide an adapter the replay did not apply
+        for n, p in tr.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    sampling = SamplingConfig(sampler="cps", num_steps=4, guidance_scale=guidance, sde_window_size=window,
+                              sde_window_range=[0, 3], micro_batch_size=4)
+    pipe = SimpleNamespace(transformer=tr, vae=model.vae, scheduler=model.scheduler)
+    rollout = RolloutWorker(pipe, TextEmbedder(model, TOKEN_LENGTH), sampling, RESOLUTION, seed=0,
+                            record_sde=name == "flow_grpo")
+    batch = rollout.generate(PROMPTS, [{}] * 4, GROUPS, step=1)
+    batch.rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    actor = ActorWorker(tr, TrainConfig(micro_batch_size=1, learning_rate=1e-3), ModelConfig(lora=True), sampling,
+                        max_steps=1, images_per_step=4, seed=0, algo=AlgoConfig(name=name, train_timesteps=2))
+    if name == "nft":  # no ratio: the implicit policy starts at the anchor, v_θ = v_old at the training points
+        x0, t = batch.traj.final_latents, batch.schedule.timesteps[[1, 2, 1, 2]]
+        sigma = batch.schedule.sigmas[[1, 2, 1, 2]].view(-1, 1, 1, 1)
+        x_t = (1 - sigma) * x0 + sigma * torch.randn(x0.shape, generator=g)
+        with torch.no_grad(), actor.anchor_swapped():
+            tr.eval()
+            v_old = predict_velocity(tr, x_t, t, batch.embeds, guidance)
+        tr.train()  # as in the update: the same micro-batch through the trained weights, with grad
+        v = predict_velocity(tr, x_t, t, batch.embeds, guidance)
+        assert (v.detach() - v_old).abs().max() <= 1e-6
+    metrics = actor.update(batch, torch.tensor([1.0, -1.0, -1.0, 1.0]), step=1)
+    assert metrics["grad_norm"] > 0
+    if name != "nft":
+        assert metrics["ratio_max_dev_before_update"] <= 1e-6
