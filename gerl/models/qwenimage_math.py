@@ -31,6 +31,7 @@ maps σ → e^mu / (e^mu + (1/σ − 1)), which is SD3's static shift with shift
 mu = 0.6935, shift 2.00; 512²: mu = 0.5387, shift 1.71), then `shift_terminal` = 0.02 stretches the ladder so that
 its last value is 0.02: σ ← 1 − (1 − σ)·(1 − 0.02)/(1 − σ_last). A 0 is appended: N + 1 values from exactly 1 down
 to 0.02, then 0. The scheduler does this in float32 numpy; `sigma_schedule` repeats it operation for operation.
+With N = 1 the stretch divides 0 by 0 and the stock pipeline's σ is NaN (a black image): `sigma_schedule` refuses.
 
 **4. The transformer call.** `timesteps = sigmas[:-1] · 1000` (float32) and the transformer receives
 `timestep / 1000`, which is σ up to float32 rounding (not bit-equal: `transformer_timestep`). It also receives
@@ -230,6 +231,10 @@ def sigma_schedule(num_steps: int, image_seq_len: int, scheduler_config) -> torc
         if scheduler_config.get(key):
             raise ValueError(f"scheduler config sets {key}=True, which Qwen-Image's schedule does not use; "
                              f"load the scheduler config published with the model")
+    terminal = scheduler_config.get("shift_terminal")
+    if terminal and num_steps < 2:  # the stretch divides by 1 − σ_last = 0: the stock scheduler's σ is NaN
+        raise ValueError(f"num_steps={num_steps}: with shift_terminal={terminal} the schedule needs at least 2 "
+                         f"steps (one step gives σ = NaN in the stock scheduler)")
     sigmas = np.linspace(1.0, 1 / num_steps, num_steps).astype(np.float32)
     if scheduler_config.get("use_dynamic_shifting"):
         mu = mu_for(image_seq_len, scheduler_config)
@@ -240,7 +245,6 @@ def sigma_schedule(num_steps: int, image_seq_len: int, scheduler_config) -> torc
     else:
         shift = scheduler_config.get("shift", 1.0)
         sigmas = shift * sigmas / (1 + (shift - 1) * sigmas)
-    terminal = scheduler_config.get("shift_terminal")
     if terminal:
         one_minus = 1 - sigmas
         sigmas = 1 - (one_minus / (one_minus[-1] / (1 - terminal)))
