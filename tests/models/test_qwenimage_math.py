@@ -110,10 +110,11 @@ def test_calculate_shift_equals_the_pipelines():
 @pytest.mark.parametrize("steps", [2, 3, 10, 50])
 @pytest.mark.parametrize("seq_len", [64, 1024, 4096, 6000])
 def test_sigma_schedule_equals_the_schedulers_bit_for_bit(pipe, steps, seq_len):
-    from diffusers.pipelines.qwenimage.pipeline_qwenimage import retrieve_timesteps
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
 
     scheduler = copy.deepcopy(pipe.scheduler)
-    mu = qm.mu_for(seq_len, scheduler.config)
+    c = scheduler.config  # mu as QwenImagePipeline.__call__ computes it
+    mu = calculate_shift(seq_len, c.base_image_seq_len, c.max_image_seq_len, c.base_shift, c.max_shift)
     timesteps, _ = retrieve_timesteps(scheduler, steps, "cpu", sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
     sigmas = qm.sigma_schedule(steps, seq_len, scheduler.config)
     assert sigmas.dtype == torch.float32 and torch.equal(sigmas, scheduler.sigmas)
