@@ -4,6 +4,7 @@ system turn, and a saved copy loads with the stock `from_pretrained` and generat
 
 import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from gerl.models.tiny_qwenimage import (RESOLUTION, SCHEDULER_CONFIG, SPECIAL_TO
                                         save_tiny_qwenimage)
 
 PROMPT = 'A sign that says "OPEN"'
+REAL = Path(__file__).resolve().parents[2] / "assets" / "configs" / "qwen-image"
 
 
 @pytest.fixture(scope="module")
@@ -95,3 +97,23 @@ def test_a_saved_copy_loads_with_the_stock_pipeline_and_generates_the_same_image
     torch.testing.assert_close(_generate(loaded, **kwargs), _generate(pipe, **kwargs), rtol=0, atol=0)
     torch.testing.assert_close(_generate(loaded, output_type="latent", **kwargs),
                                _generate(pipe, output_type="latent", **kwargs), rtol=0, atol=0)
+
+
+def test_the_tiny_model_keeps_the_published_interfaces(pipe):
+    """The parts of Qwen-Image's published configs that the sampling math reads are the tiny model's too, and the
+    published transformer config builds the real 60-block, 20.43 B-parameter architecture (sizes only, on meta)."""
+    import diffusers
+
+    scheduler = json.loads((REAL / "scheduler" / "scheduler_config.json").read_text())
+    assert scheduler.pop("_class_name") == "FlowMatchEulerDiscreteScheduler" and scheduler == SCHEDULER_CONFIG
+    vae = json.loads((REAL / "vae" / "config.json").read_text())
+    for key in ("z_dim", "latents_mean", "latents_std", "temperal_downsample"):
+        got = pipe.vae.config[key]
+        assert (list(got) if isinstance(got, (list, tuple)) else got) == vae[key], key
+    transformer = json.loads((REAL / "transformer" / "config.json").read_text())
+    for key in ("patch_size", "in_channels", "out_channels", "guidance_embeds"):
+        assert pipe.transformer.config[key] == transformer[key], key
+    with torch.device("meta"):
+        real = getattr(diffusers, transformer["_class_name"]).from_config(transformer)
+    assert len(real.transformer_blocks) == 60
+    assert sum(p.numel() for p in real.parameters()) == 20_430_401_088
