@@ -6,13 +6,13 @@ function against the stock pipeline's own helpers and runs an ODE loop built fro
 
 **1. Prompt encoding.** Each prompt is put into a chat template (`PROMPT_TEMPLATE`: a fixed system turn, the
 prompt as the user turn, then the opening of the assistant turn) and tokenized as one padded batch
-(`padding=True`, truncation at 1024 + 34 tokens; padding on the tokenizer's side, right for Qwen2Tokenizer). The
-text encoder (`Qwen2_5_VLForConditionalGeneration`, text only: no image, no processor) runs on `input_ids` and
-`attention_mask` with `output_hidden_states=True`; the pipeline takes `hidden_states[-1]`, the output of the last
-decoder layer after the final RMSNorm (= the language model's `last_hidden_state`, bit for bit: a family module
-may run `text_encoder.model.language_model` alone and skip the LM head's 152k-wide logits, which the stock call
-computes for every position and discards). Per sample it keeps the
-positions where the mask is 1, drops the first `PROMPT_DROP_IDX` = 34 of them (the system turn and
+(`padding=True`, truncation at 1024 + 34 tokens; Qwen2Tokenizer pads on the right unless configured otherwise,
+and `select_prompt_states` handles either side). The text encoder (`Qwen2_5_VLForConditionalGeneration`, text
+only: no image, no processor) runs on `input_ids` and `attention_mask` with `output_hidden_states=True`; the
+pipeline takes `hidden_states[-1]`, the output of the last decoder layer after the final RMSNorm (the language
+model's `last_hidden_state`, bit for bit: a family module may run `text_encoder.model.language_model` alone and
+skip the LM head's 152k-wide logits, which the stock call computes for every position and discards). Per sample
+it keeps the positions where the mask is 1, drops the first `PROMPT_DROP_IDX` = 34 of them (the system turn and
 "<|im_start|>user\\n": exactly 34 tokens with Qwen's tokenizer), and left-aligns what remains (the prompt's tokens
 followed by "<|im_end|>\\n<|im_start|>assistant\\n", 5 tokens); the batch is zero-padded to its longest sample and
 given a (B, L) int64 mask of ones then zeros. `encode_prompt` then cuts both to `max_sequence_length` (512 by
