@@ -34,7 +34,7 @@ SLOW = ("tests/engine/", "tests/train/test_learning.py", "tests/train/test_inter
 # real-width fp16 and launcher checks ~65 s together, the FLUX schedules ~80 s.
 FIRST = ("tests/train/test_learning.py", "tests/engine/test_ray_engine.py", "tests/engine/test_stream.py",
          "tests/engine/test_rehearsal.py", "tests/scripts/test_bench_gpu.py", "tests/engine/test_algorithms.py",
-         "tests/engine/test_flux.py", "tests/engine/test_rehearsal_two_nodes.py")
+         "tests/engine/test_families.py", "tests/engine/test_rehearsal_two_nodes.py")
 
 
 def pytest_collection_modifyitems(config, items):

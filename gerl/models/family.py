@@ -1,9 +1,9 @@
-"""Model families: what differs between SD3/SD3.5, FLUX.1 (and Qwen-Image) lives behind one small interface.
+"""Model families: what differs between SD3/SD3.5, FLUX.1 and Qwen-Image lives behind one small interface.
 
 Everything above the velocity call is architecture-free (the SDE/CPS step and its log-prob, Flow-GRPO / Fast / NFT /
 AWM, the engine and its schedules, rewards, checkpoints). A family answers the few questions that are not: how its
 pipeline is loaded, how prompts become embeddings, the latent layout, the velocity call, the σ schedule, decoding,
-and the default LoRA targets. One file per family (gerl/models/sd3.py, flux.py) subclasses `Family`; the trainer,
+and the default LoRA targets. One file per family (gerl/models/sd3.py, flux.py, qwenimage.py) subclasses `Family`; the trainer,
 the algorithms and the workers never ask which family they hold — a worker looks its family up once
 (`family_of(pipe)`) and calls its methods, and `gerl.sampling.loop.predict_velocity` dispatches on the transformer.
 
@@ -32,8 +32,9 @@ TINY_MODELS = {
     "tiny": ("sd3", ""),  # gerl.models.tiny.build_tiny_sd3
     "tiny-flux": ("flux", "dev"),  # gerl.models.tiny.build_tiny_flux: guidance embedding, dynamic shift
     "tiny-flux-schnell": ("flux", "schnell"),  # no guidance embedding, no shift (as FLUX.1-schnell's configs)
+    "tiny-qwenimage": ("qwenimage", ""),  # gerl.models.tiny_qwenimage.build_tiny_qwenimage: Qwen-Image's scheduler
 }
-_MODULES = ("gerl.models.sd3", "gerl.models.flux")  # each registers its family on import
+_MODULES = ("gerl.models.sd3", "gerl.models.flux", "gerl.models.qwenimage")  # each registers its family on import
 _REGISTRY: dict[str, "Family"] = {}
 
 
@@ -153,16 +154,24 @@ def pipeline_class_in(directory: Path, where: str) -> str:
     return str(data.get("_class_name") or "")
 
 
+def calculate_shift(image_seq_len: int, base_seq_len: int = 256, max_seq_len: int = 4096, base_shift: float = 0.5,
+                    max_shift: float = 1.15) -> float:
+    """`mu` of the resolution-dependent (dynamic) shift: the straight line through (base_seq_len, base_shift) and
+    (max_seq_len, max_shift) at the image's token count, in the operation order of the stock pipelines'
+    `calculate_shift` (FluxPipeline, QwenImagePipeline, StableDiffusion3Pipeline), so that it is bit-equal."""
+    m = (max_shift - base_shift) / (max_seq_len - base_seq_len)
+    return image_seq_len * m + (base_shift - m * base_seq_len)
+
+
 def resolution_shift(image_seq_len: int, config, default_max_shift: float) -> float:
-    """`mu` of the resolution-dependent (dynamic) shift: linear in the image's token count, from base_shift at
-    base_image_seq_len tokens to max_shift at max_image_seq_len (the scheduler config's keys, with the stock
-    pipelines' defaults: 256 → 0.5, 4096 → `default_max_shift`, which is 1.15 in FluxPipeline and 1.16 in
-    StableDiffusion3Pipeline). Shared by the families whose stock pipelines shift σ by the image's size (FLUX.1,
-    Qwen-Image, and SD3 when its scheduler config asks for dynamic shifting)."""
-    lo_n, hi_n = config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096)
-    lo, hi = config.get("base_shift", 0.5), config.get("max_shift", default_max_shift)
-    slope = (hi - lo) / (hi_n - lo_n)
-    return lo + slope * (image_seq_len - lo_n)
+    """`calculate_shift` with the scheduler config's keys (base_image_seq_len, max_image_seq_len, base_shift,
+    max_shift) and the stock pipelines' fallbacks for a missing key: 256 → 0.5, 4096 → `default_max_shift`, which is
+    1.15 in FluxPipeline and QwenImagePipeline and 1.16 in StableDiffusion3Pipeline. Shared by every family whose
+    stock pipeline shifts σ by the image's size (FLUX.1, Qwen-Image, and SD3 when its scheduler config asks for
+    dynamic shifting)."""
+    get = config.get
+    return calculate_shift(image_seq_len, get("base_image_seq_len", 256), get("max_image_seq_len", 4096),
+                           get("base_shift", 0.5), get("max_shift", default_max_shift))
 
 
 HUB_ID = re.compile(r"[\w.\-]+/[\w.\-]+")

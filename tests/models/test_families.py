@@ -1,6 +1,6 @@
 """The model-family layer (gerl/models/family.py): a model's family comes from its model_index.json before anything
 loads (a directory gerl cannot train is one clear error, on every path that reaches the loader), and for every
-family (SD3, FLUX.1-dev, FLUX.1-schnell) and every algorithm the first update starts where the rollout left off:
+family (SD3, FLUX.1-dev, FLUX.1-schnell, Qwen-Image) and every algorithm the first update starts where the rollout left off:
 ratio = 1 for Flow-GRPO, Flow-GRPO-Fast and AWM, the policy's velocity = the anchor's for NFT (fp32, ≤ 1e-6)."""
 
 import copy
@@ -33,7 +33,7 @@ def test_each_tiny_model_and_saved_directory_is_its_familys(tiny_dir, tmp_path):
     from gerl.models.tiny import save_tiny_flux
 
     assert {name: family_for_path(name).name for name in TINY_MODELS} == {
-        "tiny": "sd3", "tiny-flux": "flux", "tiny-flux-schnell": "flux"}
+        "tiny": "sd3", "tiny-flux": "flux", "tiny-flux-schnell": "flux", "tiny-qwenimage": "qwenimage"}
     assert family_for_path(str(tiny_dir)).name == "sd3"
     save_tiny_flux(tmp_path / "flux", 0)
     assert model_family(str(tmp_path / "flux")).name == "flux"
@@ -45,7 +45,7 @@ def test_each_tiny_model_and_saved_directory_is_its_familys(tiny_dir, tmp_path):
 @pytest.mark.parametrize("content, expected", [
     (json.dumps({"_class_name": "StableDiffusionXLPipeline", "unet": ["diffusers", "UNet2DConditionModel"]}),
      "holds a StableDiffusionXLPipeline, which gerl cannot train; it trains StableDiffusion3Pipeline (SD3 / SD3.5), "
-     "FluxPipeline (FLUX.1-dev / FLUX.1-schnell)"),
+     "FluxPipeline (FLUX.1-dev / FLUX.1-schnell), QwenImagePipeline (Qwen-Image)"),
     ("{not json", "model_index.json is not readable JSON"),
     ("[1, 2]", "model_index.json is not a JSON object"),
     (json.dumps({"unet": ["diffusers", "UNet2DConditionModel"]}), "holds a pipeline without a _class_name"),
@@ -94,8 +94,10 @@ ALGOS = {  # sampling window, algorithm
 @pytest.mark.parametrize("algo", list(ALGOS))
 def test_the_first_update_starts_where_the_rollout_left_off(model, algo):
     """Rollout micro-batches of 4, training micro-batches of 1 in a shuffled order: a velocity that depended on
-    its batch neighbours (a packing that mixed samples) or on anything but its inputs would show here. SD3 runs
-    classifier-free guidance (a doubled batch), FLUX.1-dev its guidance embedding, schnell none."""
+    its batch neighbours (a packing that mixed samples, a text mask not applied while prompts of different lengths
+    share a padded batch) or on anything but its inputs would show here. SD3 runs classifier-free guidance (a
+    doubled batch), FLUX.1-dev its guidance embedding, schnell none, Qwen-Image true CFG (a second pass on the
+    negative prompt " ", norm-rescaled)."""
     window, name = ALGOS[algo]
     family = family_of(model)
     guidance = 3.0 if family.name == "sd3" else 3.5

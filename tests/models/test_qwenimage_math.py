@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from gerl.models import qwenimage_math as qm
+from gerl.models.family import calculate_shift as shared_shift
 from gerl.models.tiny_qwenimage import RESOLUTION, SCHEDULER_CONFIG, build_tiny_qwenimage
 
 PROMPTS = ["a cat", 'A sign that says "OPEN" hanging on a wooden door']  # different lengths: padding and masks
@@ -99,7 +100,7 @@ def test_calculate_shift_equals_the_pipelines():
     from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 
     for n in (64, 1024, 4096, 6000):
-        assert qm.calculate_shift(n) == calculate_shift(n)
+        assert shared_shift(n) == calculate_shift(n)  # the one line every family's shift uses
         assert qm.mu_for(n, SCHEDULER_CONFIG) == calculate_shift(n, 256, 8192, 0.5, 0.9)
     # By hand: at 1024² (4096 tokens) mu = 0.5 + 3840 · 0.4 / 7936, i.e. SD3's static shift of e^mu ≈ 2.
     assert qm.mu_for(4096, SCHEDULER_CONFIG) == pytest.approx(0.5 + 3840 * 0.4 / 7936, abs=1e-12)
