@@ -35,13 +35,14 @@ def pipe():
 
 
 def stock_call(pipeline, prompts, seeds, steps, cfg, **kw):
-    """The stock call with gerl's negative prompt when true CFG is on (the pipeline has none by default)."""
+    """The stock call as verl-omni drives it: with true CFG, the negative prompt " " (its data_process/
+    qwenimage_ocr.py; the pipeline has no default negative prompt and then runs no CFG at all)."""
     from diffusers import QwenImagePipeline
 
     if type(pipeline) is QwenImagePipeline:  # a private scheduler: the stock call sets its timesteps
         pipeline = QwenImagePipeline(**{**pipeline.components, "scheduler": copy.deepcopy(pipeline.scheduler)})
         pipeline.set_progress_bar_config(disable=True)
-    return pipeline(prompt=prompts, negative_prompt=QWEN.negative_prompt if cfg > 1 else None, true_cfg_scale=cfg,
+    return pipeline(prompt=prompts, negative_prompt=" " if cfg > 1 else None, true_cfg_scale=cfg,
                     num_inference_steps=steps, height=RES, width=RES, max_sequence_length=TOKENS,
                     generator=[torch.Generator().manual_seed(s) for s in seeds], **kw).images
 
