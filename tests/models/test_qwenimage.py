@@ -154,3 +154,26 @@ def test_a_stock_saved_directory_trains_and_its_lora_loads_back_into_the_stock_p
     with torch.no_grad():
         torch.testing.assert_close(QWEN.velocity(peft, x, t, embeds, 4.0),
                                    QWEN.velocity(trained.transformer, x, t, embeds, 4.0), rtol=0, atol=1e-5)
+
+
+def test_the_default_lora_targets_adapt_every_block_of_the_real_transformer():
+    """Qwen-Image's published transformer config (assets/configs/qwen-image) at 2 of its 60 blocks, on the meta
+    device: the peers' 12 targets each match one layer per block — both streams' q, k, v and output projections
+    (3072 → 3072) and both feed-forwards (3072 → 12288 → 3072) — and nothing else. By hand at r = 64:
+    8·64·(3072 + 3072) + 4·64·(3072 + 12288) = 7,077,888 LoRA parameters per block (424,673,280 for all 60)."""
+    import json
+    from pathlib import Path
+
+    from diffusers import QwenImageTransformer2DModel
+
+    from gerl.models.loader import add_lora
+
+    real = json.loads((Path(__file__).resolve().parents[2] / "assets/configs/qwen-image/transformer/config.json")
+                      .read_text())
+    with torch.device("meta"):
+        tr = QwenImageTransformer2DModel.from_config({**real, "num_layers": 2})
+    assert family_of(tr) is QWEN
+    add_lora(tr, 64, 128, [])  # [] = the family's targets
+    adapted = [n for n, m in tr.named_modules() if hasattr(m, "lora_A")]
+    assert len(adapted) == 2 * 12 and all(n.startswith("transformer_blocks.") for n in adapted)
+    assert sum(p.numel() for p in tr.parameters() if p.requires_grad) == 2 * 7_077_888

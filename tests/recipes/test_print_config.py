@@ -180,3 +180,39 @@ def test_launcher_without_the_dataset_fails_cleanly(tmp_path):
     r = subprocess.run(["bash", str(REPO / "recipes" / "run_sd3_fast_3p_a1_r2.sh"), "tiny", str(tmp_path), "--print-config"],
                        capture_output=True, text=True, timeout=60, env=env())
     assert r.returncode == 2 and r.stderr.strip().startswith("gerl: error:") and "train.txt" in r.stderr
+
+
+# verl-omni's run_qwen_image_ocr_lora.sh target_modules, the same as flow_grpo's scripts/train_qwenimage.py
+QWEN_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+                "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"]
+
+
+def test_qwenimage_recipe_and_launcher_are_verl_omnis_ocr_run():
+    """verl-omni a1139ba, run_qwen_image_ocr_lora.sh over _generated_diffusion_trainer.yaml's defaults."""
+    from gerl.models.family import families
+
+    c = launcher_config("run_qwenimage_fast_ocr_4p_hybrid.sh")
+    m, d, s, t, e = c["model"], c["data"], c["sampling"], c["train"], c["engine"]
+    assert (m["dtype"], m["resolution"], m["max_sequence_length"], m["gradient_checkpointing"]) == \
+        ("bf16", 512, 256, True)
+    assert to_dict(load_config(str(REPO / "recipes" / "flow_grpo_qwenimage_ocr.yaml")))["model"]["path"] == \
+        "Qwen/Qwen-Image"
+    assert (m["lora_rank"], m["lora_alpha"], m["lora_init"], m["lora_targets"]) == (64, 128, "gaussian", QWEN_TARGETS)
+    assert QWEN_TARGETS == list(families()["qwenimage"].lora_targets)  # the family's default is the peers' list
+    assert (d["prompts_per_step"], d["group_size"]) == (32, 16)
+    assert (s["sampler"], s["noise_level"], s["sde_window_size"], s["sde_window_range"], s["timestep_fraction"]) == \
+        ("sde", 1.2, 2, [0, 5], 1.0)
+    assert (s["num_steps"], s["eval_num_steps"], s["guidance_scale"], s["eval_guidance_scale"]) == (10, 50, 4.0, 4.0)
+    assert (t["learning_rate"], t["weight_decay"], t["adam_betas"], t["lr_schedule"]) == \
+        (3e-4, 1e-4, [0.9, 0.999], "constant")
+    assert (t["clip_range"], t["adv_clip_max"], t["beta"], t["max_grad_norm"], t["inner_epochs"]) == \
+        (1e-5, 5.0, 0.0, 1.0, 1)
+    images = d["prompts_per_step"] * d["group_size"]
+    assert images // t["mini_batch_size"] == 2  # ppo_mini_batch_size=16 prompts × n=16
+    assert t["mini_batch_size"] // e["actor_workers"] // t["micro_batch_size"] == 4  # micro 16 per GPU
+    assert t["advantage"] == "global_std" and not t["shuffle_mini_batches"] and not t["per_prompt_tracker"]
+    assert (c["conventions"]["sde_log_prob"], c["conventions"]["group_std"]) == ("gaussian", "unbiased")
+    assert (c["max_steps"], c["validation"]["every"], c["checkpoint"]["every"]) == (300, 30, 30)
+    assert c["reward"]["name"] == "ocr"  # verl-omni's Qwen3-VL-8B OCR judge → gerl's OCR reward (the recipe says so)
+    assert (e["kind"], e["hybrid"], e["actor_workers"], e["rollout_workers"], e["schedule"]) == \
+        ("ray", True, 4, 4, "sync")  # 4 GPUs, actor, rollout and reward colocated
