@@ -26,15 +26,15 @@ from gerl.errors import UserError
 
 @dataclass
 class ModelConfig:
-    path: str = "tiny"  # "tiny" (an SD3 built offline, seeded), "tiny-flux" / "tiny-flux-schnell" (FLUX.1-dev / -schnell built offline), "ocr-mini" (shipped, draws 2-digit numbers), a local diffusers directory, or a hub id (e.g. stabilityai/stable-diffusion-3.5-medium, black-forest-labs/FLUX.1-dev); its model_index.json picks the family (gerl/models/family.py)
+    path: str = "tiny"  # "tiny" (an SD3 built offline, seeded), "tiny-flux" / "tiny-flux-schnell" (FLUX.1-dev / -schnell built offline), "tiny-qwenimage" (Qwen-Image built offline), "ocr-mini" (shipped, draws 2-digit numbers), a local diffusers directory, or a hub id (e.g. stabilityai/stable-diffusion-3.5-medium, black-forest-labs/FLUX.1-dev, Qwen/Qwen-Image); its model_index.json picks the family (gerl/models/family.py)
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"  # transformer and text-encoder weights (the VAE always decodes in fp32; LoRA weights stay fp32; SDE math is always fp32)
     device: str = "auto"  # "auto" = cuda if available else cpu; or an explicit torch device string
     resolution: int = 64  # image side in pixels (must be divisible by the VAE factor × patch size)
-    max_sequence_length: int = 32  # T5 tokens per prompt (SD3.5 uses 256; the tiny model 32)
+    max_sequence_length: int = 32  # text tokens per prompt: T5's for SD3 and FLUX (SD3.5 uses 256; the tiny models 32), Qwen-Image's after its chat template's system turn (verl-omni uses 256)
     lora: bool = True  # train a LoRA adapter; false = full fine-tuning of the transformer
     lora_rank: int = 8  # LoRA rank r
     lora_alpha: float = 16.0  # LoRA alpha; the update is scaled by alpha / r
-    lora_targets: list[str] = field(default_factory=list)  # transformer module names to adapt (peft matches name endings); [] = the model family's default (gerl/models/<family>.py lora_targets: SD3 every attention projection to_q … to_add_out; FLUX flow_grpo's attn.* + ff.* + ff_context.*)
+    lora_targets: list[str] = field(default_factory=list)  # transformer module names to adapt (peft matches name endings); [] = the model family's default (gerl/models/<family>.py lora_targets: SD3 every attention projection to_q … to_add_out; FLUX flow_grpo's attn.* + ff.* + ff_context.*; Qwen-Image verl-omni's and flow_grpo's attention projections + img_mlp.* + txt_mlp.*)
     lora_init: Literal["default", "gaussian"] = "default"  # a fresh adapter's A: peft's default (Kaiming-uniform) or "gaussian" (N(0, 1/r): NFT's, AWM's and GeRL's); B starts at 0 either way, so the policy starts as the base
     init_lora: str = ""  # a directory or .safetensors of a LoRA to start from ("" = fresh adapter)
     text_cache_size: int = 4096  # prompts whose text embeddings are kept (LRU); text encoders never re-run for these
@@ -56,7 +56,7 @@ class SamplingConfig:
     sampler: Literal["sde", "cps"] = "cps"  # stochastic step: Flow-GRPO's SDE or coefficients-preserving sampling
     num_steps: int = 10  # denoising steps during training rollouts
     eval_num_steps: int = 40  # ODE steps for validation, `gerl sample` and `gerl eval`
-    guidance_scale: float = 1.0  # guidance in rollouts and their training replays, as the model family reads it: SD3 classifier-free (1.0 = no negative pass); FLUX.1-dev the distilled guidance embedding (one pass; flow_grpo uses 3.5); FLUX.1-schnell none (ignored)
+    guidance_scale: float = 1.0  # guidance in rollouts and their training replays, as the model family reads it: SD3 classifier-free (1.0 = no negative pass); FLUX.1-dev the distilled guidance embedding (one pass; flow_grpo uses 3.5); FLUX.1-schnell none (ignored); Qwen-Image true_cfg_scale (> 1: a second pass on the negative prompt " ", norm-rescaled; verl-omni uses 4.0)
     eval_guidance_scale: float = 1.0  # the same for validation/eval
     noise_level: float = 0.8  # SDE η (sde) or CPS angle fraction (cps)
     sde_window_size: int = 3  # Flow-GRPO-Fast: consecutive stochastic (and trained) steps; 0 = Flow-GRPO (all steps but the last)

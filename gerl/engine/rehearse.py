@@ -7,7 +7,7 @@ process groups' per-device backend map (NCCL replaced by gloo, nothing else: a C
 no CPU entry fails as it would on the GPUs), weight sync, the reward and its placement, and the conventions.
 
 What changes: every host computes on the CPU (model.device=cpu). On the small offline models (tiny, tiny-flux,
-tiny-flux-schnell, ocr-mini) the batch and the resolution shrink to what a 2-core machine runs in a minute, keeping
+tiny-flux-schnell, tiny-qwenimage, ocr-mini) the batch and the resolution shrink to what a 2-core machine runs in a minute, keeping
 every divisibility the layout needs (whole groups per rollout host, equal slices per actor rank, two optimizer steps
 per step); each change is printed on stderr.
 """

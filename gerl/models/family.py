@@ -105,12 +105,14 @@ def register(cls: type[Family]) -> type[Family]:
 
 
 def families() -> dict[str, Family]:
-    """Every registered family by name (importing the family modules on the first call)."""
+    """Every registered family by name (importing the family modules on the first call), in `_MODULES` order
+    whatever order they were imported in, so that messages listing them read the same in every process."""
     import importlib
 
     for m in _MODULES:
         importlib.import_module(m)
-    return _REGISTRY
+    rank = {m: i for i, m in enumerate(_MODULES)}
+    return dict(sorted(_REGISTRY.items(), key=lambda kv: rank.get(type(kv[1]).__module__, len(rank))))
 
 
 def supported() -> str:
