@@ -39,9 +39,9 @@ def stock_call(pipeline, prompts, seeds, steps, cfg, **kw):
     qwenimage_ocr.py; the pipeline has no default negative prompt and then runs no CFG at all)."""
     from diffusers import QwenImagePipeline
 
-    if type(pipeline) is QwenImagePipeline:  # a private scheduler: the stock call sets its timesteps
-        pipeline = QwenImagePipeline(**{**pipeline.components, "scheduler": copy.deepcopy(pipeline.scheduler)})
-        pipeline.set_progress_bar_config(disable=True)
+    # a private scheduler: the stock call sets its timesteps and step index
+    pipeline = QwenImagePipeline(**{**pipeline.components, "scheduler": copy.deepcopy(pipeline.scheduler)})
+    pipeline.set_progress_bar_config(disable=True)
     return pipeline(prompt=prompts, negative_prompt=" " if cfg > 1 else None, true_cfg_scale=cfg,
                     num_inference_steps=steps, height=RES, width=RES, max_sequence_length=TOKENS,
                     generator=[torch.Generator().manual_seed(s) for s in seeds], **kw).images
