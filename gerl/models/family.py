@@ -109,7 +109,9 @@ def families() -> dict[str, Family]:
 
     for m in _MODULES:
         importlib.import_module(m)
-    return _REGISTRY
+    # In _MODULES' order whatever imported a family module first, so that messages list the families alike.
+    rank = {m: i for i, m in enumerate(_MODULES)}
+    return dict(sorted(_REGISTRY.items(), key=lambda kv: rank.get(type(kv[1]).__module__, len(rank))))
 
 
 def supported() -> str:
