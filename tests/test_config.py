@@ -204,8 +204,8 @@ def test_stream_schedule_checks():
 
 
 def test_nft_with_guidance_is_refused_naming_the_fix():
-    """DiffusionNFT samples and trains without CFG (NVlabs' configs end with guidance_scale 1, and its training code
-    has no guided path that runs); gerl refuses the combination rather than train something no reference does."""
+    """DiffusionNFT samples and trains without CFG (every NVlabs config ends with guidance_scale 1); gerl refuses
+    the combination rather than train something no reference does."""
     with pytest.raises(UserError, match=r"algo.name=nft trains without classifier-free guidance.*"
                                         r"set sampling.guidance_scale=1 \(here 4.5\)"):
         load_config(None, ["algo.name=nft", "sampling.guidance_scale=4.5"])
