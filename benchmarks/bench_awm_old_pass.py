@@ -2,13 +2,14 @@
 until the first optimizer step (gerl/workers/matching.py). Forwards per step and s/step on ocr-mini side by side in
 one process, and the transformer FLOPs the pass costs on the SD3.5 recipe (analytic, gerl/logging/throughput.py).
 
-Each repeat generates one step's batch with the recipe's rollout and OCR reward (timed once: it is the same for
-both), then runs the update twice from the same starting state (deep copies of the actor), before = every old
-log-prob from the pass (`reuse_training_forward=False`), after = the default; the order alternates between repeats so
-machine noise hits both alike. s/step = the rollout's seconds + the update's. Forwards are counted by a hook on the
-transformer (samples through it, and calls) and checked against the analytic count used for the FLOPs.
+Each batch is one step generated with the recipe's rollout and OCR reward (the same for both, so timed once); on
+it the update runs in pairs from the same starting state (deep copies of the actor), before = every old log-prob
+from the pass (`reuse_training_forward=False`), after = the default, the order alternating between pairs so machine
+noise hits both alike. s/step = the rollout's seconds + the update's; wall and process CPU time are both given (the
+CPU time is the steadier on a shared machine). Forwards are counted by a hook on the transformer (samples through
+it, and calls) and checked against the analytic count used for the FLOPs.
 
-    python -m benchmarks awm_old_pass [--repeats 5] [--recipe recipes/ocr_mini_awm.yaml] [key=value ...]
+    python -m benchmarks awm_old_pass [--batches 2] [--repeats 3] [--threads N] [--recipe recipes/ocr_mini_awm.yaml] [key=value ...]
     python -m benchmarks awm_old_pass --flops-only [--flops-recipe recipes/awm_sd3_ocr.yaml]
 """
 
@@ -79,7 +80,7 @@ def flops_report(recipe: str) -> None:
           f"({before['old_pass'] / after['total']:.1%} of what is left after); saved: {saved / before['total']:.1%}")
 
 
-def measure(recipe: str, repeats: int, overrides: list[str]) -> None:
+def measure(recipe: str, batches: int, repeats: int, threads: int, overrides: list[str]) -> None:
     import torch
 
     from gerl.config import load_config
@@ -88,6 +89,8 @@ def measure(recipe: str, repeats: int, overrides: list[str]) -> None:
     from gerl.workers.matching import matching_update
 
     quiet_libraries()
+    if threads:
+        torch.set_num_threads(threads)
     cfg = load_config(recipe, ["output_dir=runs/bench_awm_old_pass", "overwrite=true", "log.tensorboard=false",
                                "log.progress_bar=false", "validation.every=-1", *overrides])
     if cfg.algo.name != "awm":
@@ -99,39 +102,51 @@ def measure(recipe: str, repeats: int, overrides: list[str]) -> None:
         return transformer.register_forward_pre_hook(
             lambda m, a, kw: into.append(kw["hidden_states"].shape[0]), with_kwargs=True)
 
+    def timed(fn) -> tuple[float, float]:
+        w, c = time.perf_counter(), time.process_time()
+        fn()
+        return time.perf_counter() - w, time.process_time() - c
+
     rollout.generate(*trainer.next_prompts(0), 0)  # warm-up: the OCR models load on the first call
-    rows = {False: [], True: []}
-    gen_s, gen_fw = [], []
-    for step in range(1, repeats + 1):
+    rows: dict[bool, list[dict]] = {False: [], True: []}
+    gen, gen_fw = [], []
+    for step in range(1, batches + 1):
         fw: list[int] = []
         hook = counting(rollout.pipe.transformer, fw)
-        t0 = time.perf_counter()
-        batch, res = rollout.generate(*trainer.next_prompts(step), step)
-        gen_s.append(time.perf_counter() - t0)
+        out = []
+        gen.append(timed(lambda: out.append(rollout.generate(*trainer.next_prompts(step), step))))
         hook.remove()
         gen_fw.append(sum(fw))
+        batch, _ = out[0]
         adv = trainer.advantages(batch)
-        for reuse in ((False, True) if step % 2 else (True, False)):
-            trial = copy.deepcopy(actor)  # the same starting weights, optimizer and anchor for both
-            fw = []
-            counting(trial.transformer, fw)
-            t0 = time.perf_counter()
-            matching_update(trial, batch, adv, step, reuse_training_forward=reuse)
-            rows[reuse].append({"update_s": time.perf_counter() - t0, "samples": sum(fw), "calls": len(fw)})
+        for r in range(repeats):  # A/B pairs on this batch, the order alternating
+            for reuse in ((False, True) if r % 2 == 0 else (True, False)):
+                trial = copy.deepcopy(actor)  # the same starting weights, optimizer and anchor for both
+                fw = []
+                counting(trial.transformer, fw)
+                wall, cpu = timed(lambda: matching_update(trial, batch, adv, step, reuse_training_forward=reuse))
+                rows[reuse].append({"wall": wall, "cpu": cpu, "samples": sum(fw), "calls": len(fw)})
+            print(f"batch {step} pair {r + 1}: update wall before {rows[False][-1]['wall']:.2f} s, after "
+                  f"{rows[True][-1]['wall']:.2f} s", flush=True)
     trainer.engine.close()
 
-    med = lambda xs: statistics.median(xs)  # noqa: E731
-    g = med(gen_s)
+    med = statistics.median
+    g_wall, g_cpu = med(w for w, _ in gen), med(c for _, c in gen)
     print(f"{recipe} {' '.join(overrides)}: {len(batch)} images/step, torch threads {torch.get_num_threads()}, "
-          f"{repeats} steps (medians; rollout incl. OCR reward {g:.2f} s, {gen_fw[0]} samples through the transformer)")
-    print(f"{'old log-probs':<28}{'update fwd samples':>19}{'calls':>7}{'update s':>10}{'s/step':>9}")
+          f"{batches} batches × {repeats} update pairs (medians); rollout incl. OCR reward {g_wall:.2f} s wall, "
+          f"{g_cpu:.2f} s CPU, {gen_fw[0]} samples through the transformer")
+    print(f"{'old log-probs':<26}{'update fwd samples':>19}{'calls':>7}{'update wall s':>14}{'CPU s':>8}"
+          f"{'s/step wall':>12}{'CPU':>8}")
     for reuse, name in ((False, "before: no-grad pass"), (True, "after: training forward")):
         r = rows[reuse]
-        print(f"{name:<28}{r[0]['samples']:>19}{r[0]['calls']:>7}{med([x['update_s'] for x in r]):>10.3f}"
-              f"{g + med([x['update_s'] for x in r]):>9.3f}")
-    ratio_u = med([a["update_s"] / b["update_s"] for a, b in zip(rows[True], rows[False])])
-    ratio_s = med([(g2 + a["update_s"]) / (g2 + b["update_s"]) for g2, a, b in zip(gen_s, rows[True], rows[False])])
-    print(f"after/before (median of paired ratios): update {ratio_u:.3f}, step {ratio_s:.3f}")
+        uw, uc = med(x["wall"] for x in r), med(x["cpu"] for x in r)
+        print(f"{name:<26}{r[0]['samples']:>19}{r[0]['calls']:>7}{uw:>14.3f}{uc:>8.3f}{g_wall + uw:>12.3f}{g_cpu + uc:>8.3f}")
+    for key in ("wall", "cpu"):
+        pairs = list(zip(rows[True], rows[False]))
+        u = med(a[key] / b[key] for a, b in pairs)
+        g = g_wall if key == "wall" else g_cpu
+        st = med((g + a[key]) / (g + b[key]) for a, b in pairs)
+        print(f"after/before, {key} time (median of paired ratios): update {u:.3f}, step {st:.3f}")
     want_b, want_a = step_forwards(cfg, False), step_forwards(cfg, True)
     for reuse, want in ((False, want_b), (True, want_a)):
         counted = rows[reuse][0]["samples"] + gen_fw[0]
@@ -142,7 +157,9 @@ def measure(recipe: str, repeats: int, overrides: list[str]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--recipe", default="recipes/ocr_mini_awm.yaml", help="the awm recipe measured (ocr-mini on CPU)")
-    ap.add_argument("--repeats", type=int, default=5, help="steps, each with both updates")
+    ap.add_argument("--batches", type=int, default=2, help="rollout batches generated (each a new step)")
+    ap.add_argument("--repeats", type=int, default=3, help="before/after update pairs per batch")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     ap.add_argument("--flops-recipe", default="recipes/awm_sd3_ocr.yaml", help="the recipe whose FLOPs are counted")
     ap.add_argument("--flops-only", action="store_true", help="only the analytic FLOPs (no model runs)")
     ap.add_argument("overrides", nargs="*", help="key=value overrides of --recipe")
@@ -150,7 +167,7 @@ def main() -> None:
     flops_report(args.flops_recipe)
     if not args.flops_only:
         print()
-        measure(args.recipe, args.repeats, args.overrides)
+        measure(args.recipe, args.batches, args.repeats, args.threads, args.overrides)
 
 
 if __name__ == "__main__":
