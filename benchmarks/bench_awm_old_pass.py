@@ -9,7 +9,7 @@ noise hits both alike. s/step = the rollout's seconds + the update's; wall and p
 CPU time is the steadier on a shared machine). Forwards are counted by a hook on the transformer (samples through
 it, and calls) and checked against the analytic count used for the FLOPs.
 
-    python -m benchmarks awm_old_pass [--batches 2] [--repeats 3] [--threads N] [--recipe recipes/ocr_mini_awm.yaml] [key=value ...]
+    python -m benchmarks awm_old_pass [--batches 2] [--repeats 3] [--threads N] [--recipe RECIPE] [key=value ...]
     python -m benchmarks awm_old_pass --flops-only [--flops-recipe recipes/awm_sd3_ocr.yaml]
 """
 
@@ -75,7 +75,8 @@ def flops_report(recipe: str) -> None:
     for k in fb:
         print(f"{k:<10}{fb[k]:>16}{fa[k]:>8}{before[k] / 1e15:>14.1f}{after[k] / 1e15:>8.1f}")
     saved = before["total"] - after["total"]
-    print(f"{'total':<10}{sum(fb.values()):>16}{sum(fa.values()):>8}{before['total'] / 1e15:>14.1f}{after['total'] / 1e15:>8.1f}")
+    print(f"{'total':<10}{sum(fb.values()):>16}{sum(fa.values()):>8}"
+          f"{before['total'] / 1e15:>14.1f}{after['total'] / 1e15:>8.1f}")
     print(f"the old-log-prob pass: {before['old_pass'] / before['total']:.1%} of the step's transformer FLOPs before "
           f"({before['old_pass'] / after['total']:.1%} of what is left after); saved: {saved / before['total']:.1%}")
 
@@ -140,7 +141,8 @@ def measure(recipe: str, batches: int, repeats: int, threads: int, overrides: li
     for reuse, name in ((False, "before: no-grad pass"), (True, "after: training forward")):
         r = rows[reuse]
         uw, uc = med(x["wall"] for x in r), med(x["cpu"] for x in r)
-        print(f"{name:<26}{r[0]['samples']:>19}{r[0]['calls']:>7}{uw:>14.3f}{uc:>8.3f}{g_wall + uw:>12.3f}{g_cpu + uc:>8.3f}")
+        print(f"{name:<26}{r[0]['samples']:>19}{r[0]['calls']:>7}{uw:>14.3f}{uc:>8.3f}"
+              f"{g_wall + uw:>12.3f}{g_cpu + uc:>8.3f}")
     for key in ("wall", "cpu"):
         pairs = list(zip(rows[True], rows[False]))
         u = med(a[key] / b[key] for a, b in pairs)

@@ -172,7 +172,7 @@ class Host:
 
     @_cpu_only("rollout_weights")
     def rollout_weights(self, pending: bool = False):
-        return self.rollout.weights(pending)
+        return self.rollout.weights(pending=True) if pending else self.rollout.weights()
 
     def recv_broadcast(self, version, bucket_mb) -> float:
         t0 = time.perf_counter()

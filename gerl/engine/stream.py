@@ -10,8 +10,8 @@ the weights it was generated with.
 
 Every unit carries its policy version (the oldest its micro-batches saw). At `take`, lag = actor version − that
 version; a group with lag > max_staleness is dropped, or kept with its samples' weight in the policy loss
-stale_decay^(lag − max_staleness) (engine.stale; `RolloutBatch.stale_weight`). Generation runs ahead by at most max_staleness batches:
-groups issued but not yet trained or dropped ≤ (max_staleness + 1) × prompts_per_step.
+stale_decay^(lag − max_staleness) (engine.stale; `RolloutBatch.stale_weight`). Generation runs ahead by at most
+max_staleness batches: groups issued but not yet trained or dropped ≤ (max_staleness + 1) × prompts_per_step.
 """
 
 from __future__ import annotations

@@ -25,7 +25,8 @@ class RolloutBatch:
     reward_extras: dict[str, list] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)  # seconds per rollout stage
     spans: list[dict] = field(default_factory=list)  # {"name", "start", "end"} wall-clock spans of the rollout's stages
-    stale_weight: torch.Tensor | None = None  # (B,) each sample's weight in the policy loss (streaming, engine.stale=downweight: < 1 for stale groups); None = 1
+    # (B,) each sample's weight in the policy loss (streaming, engine.stale=downweight: < 1 for stale groups); None = 1
+    stale_weight: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.prompts)

@@ -120,8 +120,8 @@ def test_nft_on_hybrid_hosts_samples_with_the_anchor_and_validates_the_weights(t
             return np.asarray(make(), dtype=np.int16)
 
     def step2_rollout():
-        batch = worker.generate([p.text for p in chosen for _ in range(n)], [dict(p.metadata) for p in chosen for _ in range(n)],
-                                torch.arange(len(chosen)).repeat_interleave(n), step=2)
+        prompts, metadata = [p.text for p in chosen for _ in range(n)], [dict(p.metadata) for p in chosen for _ in range(n)]
+        batch = worker.generate(prompts, metadata, torch.arange(len(chosen)).repeat_interleave(n), step=2)
         return image_grid(batch.images[: 4 * n], cols=n)
 
     def validation():

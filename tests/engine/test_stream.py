@@ -105,9 +105,9 @@ def test_stream_bounds_staleness_stages_weights_and_resumes(tmp_path):
 
 
 def test_downweighted_stale_groups_weigh_the_decay_in_the_loss(tmp_path):
-    """stale=downweight: the straggler is kept (nothing dropped) and its samples weigh
-    stale_decay^(lag − max_staleness) in the policy loss; checked on the stream's own assembly of a step's groups. And the run issues
-    no group that its last steps cannot take: nothing is generated or scored past max_steps."""
+    """stale=downweight: the straggler is kept (nothing dropped) and its samples weigh stale_decay^(lag −
+    max_staleness) in the policy loss; checked on the stream's own assembly of a step's groups. And the run issues no
+    group that its last steps cannot take: nothing is generated or scored past max_steps."""
     from types import SimpleNamespace
 
     from gerl.engine.stream import GroupStream
