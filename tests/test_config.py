@@ -203,6 +203,16 @@ def test_stream_schedule_checks():
     assert cfg.engine.schedule == "stream" and cfg.engine.stale == "downweight"
 
 
+def test_nft_with_guidance_is_refused_naming_the_fix():
+    """DiffusionNFT samples and trains without CFG (every NVlabs config ends with guidance_scale 1); gerl refuses
+    the combination rather than train something no reference does."""
+    with pytest.raises(UserError, match=r"algo.name=nft trains without classifier-free guidance.*"
+                                        r"set sampling.guidance_scale=1 \(here 4.5\)"):
+        load_config(None, ["algo.name=nft", "sampling.guidance_scale=4.5"])
+    assert load_config(None, ["algo.name=nft", "sampling.eval_guidance_scale=4.5"]).sampling.eval_guidance_scale == 4.5
+    assert load_config(None, ["algo.name=awm", "sampling.guidance_scale=4.5"]).algo.name == "awm"  # AWM's train.cfg
+
+
 def test_fractional_gpu_hosts_are_accepted_and_fp16_full_fine_tuning_is_not():
     one_gpu = ["engine.kind=ray", "engine.hybrid=false", "engine.device=cuda", "engine.gpus_per_worker=0.5"]
     # hosts sharing a GPU: NCCL cannot join them, so their groups carry CUDA tensors with gloo (tests/engine/test_dist.py)
