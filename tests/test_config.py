@@ -101,7 +101,9 @@ def test_every_gpu_launcher_validates(script):
     words = shlex.split(exec_line)
     overrides = [w for w in words if "=" in w and not w.startswith("$") and "." in w.split("=")[0]]
     assert overrides, exec_line
-    load_config(str(REPO / "recipes" / "gerl_sd3_fast_ocr.yaml"), overrides)
+    # the recipe it launches: RECIPE=... before `exec bash`, else _launch.sh's default
+    recipe = next((w.split("=", 1)[1] for w in words if w.startswith("RECIPE=")), "recipes/gerl_sd3_fast_ocr.yaml")
+    load_config(str(REPO / recipe), overrides)
 
 
 def test_gpu_launchers_exist():
