@@ -73,7 +73,7 @@ class AlgoConfig:
     nothing else), and re-noise them at `train_timesteps` noise levels of the sampling schedule."""
     name: Literal["flow_grpo", "nft", "awm"] = "flow_grpo"  # flow_grpo: Flow-GRPO(-Fast), PPO-clipped ratio of SDE-step log-probs; nft: DiffusionNFT (NVlabs), implicit positive/negative flow matching weighted by the normalised advantage; awm: Advantage Weighted Matching, a PPO-clipped ratio of a flow-matching likelihood surrogate
     train_timesteps: int = 0  # nft/awm: noise levels trained per sample (0 = int(sampling.num_steps × sampling.timestep_fraction)); grad accumulation counts each
-    timesteps: Literal["random", "stratified"] = "random"  # nft/awm: which schedule indices: `train_timesteps` distinct random ones per sample (NFT), or one per stratum of [1, num_steps × timestep_fraction], the same for the whole batch (AWM's discrete_wo_init)
+    timesteps: Literal["random", "stratified"] = "random"  # nft/awm: which schedule indices: `train_timesteps` distinct random ones per sample (NFT), or one per stratum of [1, num_steps × timestep_fraction], the same for each training micro-batch (AWM's discrete_wo_init). Either way every data-parallel rank and inner epoch draws its own, with fresh noise ε per sample, as both references do
     nft_beta: float = 1.0  # nft: β of v+ = β·v + (1−β)·v_old and v− = (1+β)·v_old − β·v (NVlabs 1.0; 0.1 in its SD3 OCR config); the loss divides by β
     awm_weighting: Literal["uniform", "t", "t2", "huber", "ghuber"] = "uniform"  # awm: log p ≈ −w(σ, ‖v − (ε − x0)‖²): uniform = −err; t = −σ·err; t2 = −σ²·err; huber = −σ·(√err − 1e-5); ghuber = −σ·(err^p − 0^p)/p
     awm_ghuber_power: float = 0.25  # awm, weighting ghuber: p
@@ -113,6 +113,7 @@ class TrainConfig:
     topr_split: Literal["advantage", "reward"] = "advantage"  # loss=topr: a sample is tapered to weight min(r, 1) when its advantage is < 0, or (ROLL's rule) its reward is ≤ 0 — then always-positive rewards taper nothing (gerl/algo/policy_loss.py)
     fp16_loss_scale: float = 65536.0  # model.dtype=fp16: initial dynamic loss scale (halved on an inf/NaN gradient, that step skipped on every rank; doubled after fp16_scale_growth_interval clean steps). 0 = off: per-element gradients of a 512² log-prob (~1e-9) then flush to zero in fp16 and nothing is learned
     fp16_scale_growth_interval: int = 2000  # optimizer steps without an overflow before the loss scale doubles (torch.amp.GradScaler's default; GeRL 400)
+    deterministic: bool = False  # GPU runs that repeat bit for bit (CPU runs already do): every process that trains or generates (this one, each Ray host) sets CUBLAS_WORKSPACE_CONFIG=:4096:8 before CUDA starts, torch.use_deterministic_algorithms(True) (an op without a deterministic kernel then raises), cuDNN deterministic without autotuning, and seeds Python, NumPy and torch from seed. Cost: slower deterministic kernels where torch has a choice (attention backward, scatter/index_add), no cuDNN autotuning (the VAE's convolutions), NaN-filled torch.empty, ~32 MiB of cuBLAS workspace per stream; not yet measured on a GPU (docs/architecture.md, "Determinism")
 
 
 @dataclass
@@ -176,8 +177,8 @@ class EngineConfig:
     gpus_per_worker: float = 1.0  # each host's share of a GPU when device=cuda; 0.5 puts two hosts (1 actor + 1 rollout) on one GPU
     schedule: Literal["sync", "async", "stream"] = "sync"  # sync: generate → reward → train → sync; async: generation runs max_staleness batches ahead; stream: rollouts pull groups from one prompt stream, the trainer takes the first complete ones (docs/architecture.md)
     max_staleness: int = 1  # async: batches generated ahead of training (1 = one-step-off; ROLL's async_generation_ratio); stream: also the lag in versions beyond which a group is stale
-    stale: Literal["drop", "downweight"] = "drop"  # stream: a group older than max_staleness versions is dropped, or kept with its advantages scaled down
-    stale_decay: float = 0.5  # stream, stale=downweight: advantages × stale_decay^(lag − max_staleness), in (0, 1]
+    stale: Literal["drop", "downweight"] = "drop"  # stream: a group older than max_staleness versions is dropped, or kept with a smaller weight in the policy loss
+    stale_decay: float = 0.5  # stream, stale=downweight: a stale sample's policy loss × stale_decay^(lag − max_staleness), in (0, 1] (flow_grpo: its advantage × that, the same thing; nft/awm: a per-sample loss weight)
     ratio_cap: float = 0.0  # train.loss=ppo_clip: truncate the importance ratio at this value before the clip (0 = off; ≥ 1 + train.clip_range: dual-clip PPO, bounding a negative-advantage sample's loss at −ratio_cap·A; ROLL's dual_clip_loss is 1 + 2·ε)
     weight_sync: Literal["auto", "object_store", "broadcast"] = "auto"  # auto: object store for LoRA, bucketed broadcast for full fine-tuning
     sync_bucket_mb: int = 256  # bucket size of the broadcast weight sync
@@ -715,6 +716,10 @@ def _relations(cfg: Config) -> list[str]:
         e.append(f"engine.ratio_cap={cap} must be 0 (off) or ≥ 1 + train.clip_range ({1 + t.clip_range:g}): a lower cap "
                  "holds the ratio constant inside the clip range, so every sample whose ratio is above the cap gets no "
                  "gradient (below 1 − clip_range, no sample of an on-policy batch learns at all); dual-clip PPO uses 3")
+    if a.name == "nft" and s.guidance_scale > 1:
+        e.append(f"algo.name=nft trains without classifier-free guidance, as DiffusionNFT does (its negative-aware loss "
+                 f"takes guidance's place; NVlabs' configs sample and train at guidance 1): set sampling.guidance_scale=1 "
+                 f"(here {s.guidance_scale:g}); sampling.eval_guidance_scale may stay > 1 to validate with guidance")
     if cfg.model.resolution % 16:
         e.append(f"model.resolution={cfg.model.resolution} must be a multiple of 16")
     g = cfg.engine

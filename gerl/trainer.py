@@ -93,6 +93,10 @@ def prepare(cfg: Config) -> Prepared:
     from gerl.plan.arch import check_resolution
 
     check_resolution(cfg.model.path, cfg.model.resolution, f"model.resolution={cfg.model.resolution}", cfg.model.tiny_seed)
+    if cfg.train.deterministic:  # before any model loads: the local engine trains and generates in this process
+        from gerl import determinism
+
+        determinism.apply(cfg.seed, "driver")
     pipe = None
     if cfg.engine.kind == "local":
         from gerl.engine.roles import build_pipeline
@@ -324,8 +328,6 @@ class Trainer:
         else:
             adv = compute_advantages(cfg.advantage, batch.rewards, batch.group_ids, cfg.adv_clip_max,
                                      unbiased=self.cfg.conventions.group_std == "unbiased")
-        if batch.adv_scale is not None:  # streaming: stale groups kept with a smaller weight
-            adv = adv * batch.adv_scale
         return -adv if cfg.flip_advantage else adv
 
     @torch.no_grad()

@@ -101,7 +101,9 @@ def test_every_gpu_launcher_validates(script):
     words = shlex.split(exec_line)
     overrides = [w for w in words if "=" in w and not w.startswith("$") and "." in w.split("=")[0]]
     assert overrides, exec_line
-    load_config(str(REPO / "recipes" / "gerl_sd3_fast_ocr.yaml"), overrides)
+    # the recipe it launches: RECIPE=... before `exec bash`, else _launch.sh's default
+    recipe = next((w.split("=", 1)[1] for w in words if w.startswith("RECIPE=")), "recipes/gerl_sd3_fast_ocr.yaml")
+    load_config(str(REPO / recipe), overrides)
 
 
 def test_gpu_launchers_exist():
@@ -201,6 +203,16 @@ def test_stream_schedule_checks():
         load_config(None, [*base, "engine.hybrid=false", "engine.stale_decay=0"])
     cfg = load_config(None, [*base, "engine.hybrid=false", "engine.stale=downweight"])
     assert cfg.engine.schedule == "stream" and cfg.engine.stale == "downweight"
+
+
+def test_nft_with_guidance_is_refused_naming_the_fix():
+    """DiffusionNFT samples and trains without CFG (every NVlabs config ends with guidance_scale 1); gerl refuses
+    the combination rather than train something no reference does."""
+    with pytest.raises(UserError, match=r"algo.name=nft trains without classifier-free guidance.*"
+                                        r"set sampling.guidance_scale=1 \(here 4.5\)"):
+        load_config(None, ["algo.name=nft", "sampling.guidance_scale=4.5"])
+    assert load_config(None, ["algo.name=nft", "sampling.eval_guidance_scale=4.5"]).sampling.eval_guidance_scale == 4.5
+    assert load_config(None, ["algo.name=awm", "sampling.guidance_scale=4.5"]).algo.name == "awm"  # AWM's train.cfg
 
 
 def test_fractional_gpu_hosts_are_accepted_and_fp16_full_fine_tuning_is_not():

@@ -45,13 +45,16 @@ def noised(x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> torch.
 
 
 def nft_loss(v: torch.Tensor, v_old: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, sigma: torch.Tensor,
-             advantages: torch.Tensor, beta: float, adv_clip_max: float) -> tuple[torch.Tensor, dict]:
+             advantages: torch.Tensor, beta: float, adv_clip_max: float,
+             weight: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """DiffusionNFT's policy loss for one micro-batch (see the module docstring).
 
     Args:
         v: (B, C, h, w) the policy's velocity at x_t (with grad); v_old: the old policy's (no grad).
         x0: (B, C, h, w) the clean sample; x_t: its noised version at sigma (B,).
         advantages: (B,) unclipped; beta: NFT's β > 0; adv_clip_max: A_max.
+        weight: (B,) each sample's weight in the mean (a stale group's < 1), or None for 1. Scaling the advantage
+            instead would move r toward ½, which pulls v toward v_old rather than making the update smaller.
     Returns:
         (scalar loss, detached stats: policy_loss, r_mean, old_deviation)
     """
@@ -67,6 +70,8 @@ def nft_loss(v: torch.Tensor, v_old: torch.Tensor, x0: torch.Tensor, x_t: torch.
     pos = _mean_per_sample((x0_pos - x0) ** 2) / w_pos
     neg = _mean_per_sample((x0_neg - x0) ** 2) / w_neg
     per_sample = (r * pos + (1 - r) * neg) / beta
+    if weight is not None:
+        per_sample = per_sample * weight
     loss = (per_sample * adv_clip_max).mean()
     stats = {"policy_loss": loss.detach(), "r_mean": r.mean().detach(),
              "old_deviation": ((v.detach() - v_old) ** 2).mean()}
@@ -97,10 +102,12 @@ def awm_log_prob(v: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor, sigma: 
 
 
 def awm_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor, clip_range: float,
-             adv_clip_max: float, advantage_max: float = 0.0) -> tuple[torch.Tensor, dict]:
+             adv_clip_max: float, advantage_max: float = 0.0,
+             weight: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """AWM's PPO-clipped policy loss on the surrogate log-probs (B,) (see the module docstring).
 
     advantages are clipped to ±adv_clip_max, then scaled by advantage_max / adv_clip_max when advantage_max > 0.
+    weight: (B,) each sample's weight in the mean (a stale group's < 1), or None for 1.
     Returns (scalar loss, detached stats: policy_loss, ratio_mean, clipfrac).
     """
     a = advantages.clamp(-adv_clip_max, adv_clip_max).double()
@@ -109,7 +116,10 @@ def awm_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: tor
     ratio = torch.exp(log_prob - old_log_prob.detach())
     unclipped = -a * ratio
     clipped = -a * ratio.clamp(1 - clip_range, 1 + clip_range)
-    loss = torch.maximum(unclipped, clipped).mean()
+    per_sample = torch.maximum(unclipped, clipped)
+    if weight is not None:
+        per_sample = per_sample * weight.double()
+    loss = per_sample.mean()
     stats = {"policy_loss": loss.detach(), "ratio_mean": ratio.detach().mean(),
              "clipfrac": ((ratio.detach() - 1).abs() > clip_range).double().mean()}
     return loss.float(), stats
@@ -135,7 +145,8 @@ def timestep_indices(num_steps: int, fraction: float, k: int, batch: int, mode: 
 
     random (NFT): k distinct indices per sample, a random permutation of all num_steps cut to k.
     stratified (AWM's discrete_wo_init): [1, int(num_steps·fraction)) cut into k strata, one uniform index in each,
-    the same for every sample of the batch (index 0, σ = 1, is pure noise and never trained).
+    the same for all `batch` samples (AWM draws once per training micro-batch; index 0, σ = 1, is pure noise and
+    never trained).
     """
     if mode == "random":
         return torch.stack([torch.randperm(num_steps, generator=generator)[:k] for _ in range(batch)])

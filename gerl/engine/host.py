@@ -55,8 +55,11 @@ class Host:
 
     def __init__(self, cfg, roles: tuple[str, ...], rank: int, world: int, actor_world: int, cores,
                  sync_ranks: list[int] | None, name: str = "host", threads: int | None = None):
+        from gerl import determinism
         from gerl.logging.quiet import quiet_libraries
 
+        if cfg.train.deterministic:  # first thing in the process: cuBLAS reads its workspace setting when CUDA starts
+            determinism.apply(cfg.seed, name)
         quiet_libraries()
         from gerl.engine.roles import pin_cpus
 
@@ -81,6 +84,7 @@ class Host:
         pipeline on `device`. Returns where this host runs (for the run's placement record)."""
         import ray
 
+        from gerl import determinism
         from gerl.engine.roles import ActorRole, RolloutRole, build_pipeline
 
         self.device = device
@@ -101,7 +105,7 @@ class Host:
                 "device_name": torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu",
                 "dtype": self.cfg.model.dtype, "backends": backends if self.world > 1 else None,
                 "rank": self.rank if self.world > 1 else None, "torch_threads": torch.get_num_threads(),
-                "nice": os.nice(0)}
+                "nice": os.nice(0), **determinism.state()}
 
     def _grad_sync(self, params, loss_ok: bool, grads_ok: bool) -> tuple[bool, bool]:
         """Average gradients over the data-parallel ranks. The flags (was this rank's loss finite, were its
@@ -167,8 +171,8 @@ class Host:
         return time.perf_counter() - t0
 
     @_cpu_only("rollout_weights")
-    def rollout_weights(self):
-        return self.rollout.weights()
+    def rollout_weights(self, pending: bool = False):
+        return self.rollout.weights(pending=True) if pending else self.rollout.weights()
 
     def recv_broadcast(self, version, bucket_mb) -> float:
         t0 = time.perf_counter()

@@ -277,10 +277,15 @@ class RayEngine:
         return self.ray.get(self.rollouts[0].validate.remote(prompts, metadata, weights))
 
     def weights_equal(self) -> bool:
-        """Test hook: every rollout's trained tensors equal the actor's exactly (waits for pending syncs)."""
+        """Test hook: every rollout's trained tensors equal what the actor samples with (nft: its anchor), exactly
+        (waits for pending syncs; a streaming rollout's are those it holds once its staged buckets are in)."""
         self.ray.get(self._pending_loads)
         a = self.ray.get(self.actors[0].actor_weights.remote())
-        return all(all(torch.equal(a[k], w[k]) for k in a) for w in self.ray.get([h.rollout_weights.remote() for h in self.rollouts]))
+        # streaming hosts answer on their weights thread, beside the generation their default thread is running
+        call = (lambda h: h.rollout_weights.options(concurrency_group="weights")) if self.stream is not None else (
+            lambda h: h.rollout_weights)
+        held = self.ray.get([call(h).remote(pending=True) for h in self.rollouts])
+        return all(all(torch.equal(a[k], w[k]) for k in a) for w in held)
 
     def save(self, run_dir, step, extra, keep_last) -> None:
         self.ray.get(self.actors[0].save.remote(run_dir, step, extra, keep_last))

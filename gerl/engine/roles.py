@@ -188,9 +188,13 @@ class RolloutRole:
             params[n].copy_(t.to(params[n].device, params[n].dtype))
         self.worker.policy_version = version
 
-    def weights(self) -> dict[str, torch.Tensor]:
+    def weights(self, pending: bool = False) -> dict[str, torch.Tensor]:
+        """The trained tensors this rollout generates with; pending=True: those it will generate with once the
+        staged buckets (streaming) are in."""
         params = dict(self.pipe.transformer.named_parameters())
-        return {n: params[n].detach().float().cpu() for n in self.names}
+        with self._lock:
+            staged = {id(p): t for bucket in (self._staged[1] if pending and self._staged else []) for p, t in bucket}
+            return {n: staged.get(id(params[n]), params[n]).detach().float().cpu() for n in self.names}
 
     def close(self) -> None:
         self.rewards.close()
@@ -207,7 +211,7 @@ class ActorRole:
         sizes = derived_sizes(cfg, trained_steps_per_sample(cfg))
         self.worker = ActorWorker(self.pipe.transformer, cfg.train, cfg.model, cfg.sampling, cfg.max_steps,
                                   sizes["images_per_step"], cfg.seed, world=world, grad_sync=grad_sync,
-                                  ratio_cap=cfg.engine.ratio_cap, conventions=cfg.conventions, algo=cfg.algo)
+                                  ratio_cap=cfg.engine.ratio_cap, conventions=cfg.conventions, algo=cfg.algo, rank=rank)
         # async: the weights of the last max_staleness versions, which generations still in flight were issued
         # with — a checkpoint keeps them so that a resumed run re-issues those generations bit-exactly.
         self.history = deque(maxlen=cfg.engine.max_staleness + 1) if cfg.engine.schedule == "async" else None

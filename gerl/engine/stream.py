@@ -9,9 +9,9 @@ reward never holds back the others. Noise seeds are those of (draw, index), so a
 the weights it was generated with.
 
 Every unit carries its policy version (the oldest its micro-batches saw). At `take`, lag = actor version − that
-version; a group with lag > max_staleness is dropped, or kept with its advantages scaled by
-stale_decay^(lag − max_staleness) (engine.stale). Generation runs ahead by at most max_staleness batches:
-groups issued but not yet trained or dropped ≤ (max_staleness + 1) × prompts_per_step.
+version; a group with lag > max_staleness is dropped, or kept with its samples' weight in the policy loss
+stale_decay^(lag − max_staleness) (engine.stale; `RolloutBatch.stale_weight`). Generation runs ahead by at most
+max_staleness batches: groups issued but not yet trained or dropped ≤ (max_staleness + 1) × prompts_per_step.
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ class GroupStream:
         lags = [actor_version - b.policy_version for _, _, b, _ in units for _ in range(self.unit)]
         if self.stale == "downweight":
             excess = torch.tensor([max(0, lag - self.k) for lag in lags], dtype=torch.float32)
-            batch.adv_scale = (self.decay ** excess).repeat_interleave(self.n)
+            batch.stale_weight = (self.decay ** excess).repeat_interleave(self.n)
         batch.timings.update(policy_lag_mean=sum(lags) / len(lags), policy_lags=lags, weight_load_s=load_s,
                              stale_groups_dropped=dropped_now, stale_groups_dropped_total=self.dropped_total)
         return batch, res

@@ -73,8 +73,10 @@ def lr_lambda(schedule: str, warmup: int, total: int):
 class ActorWorker:
     def __init__(self, transformer, train: TrainConfig, model: ModelConfig, sampling: SamplingConfig,
                  max_steps: int, images_per_step: int, seed: int, world: int = 1, grad_sync=None,
-                 ratio_cap: float = 0.0, conventions: ConventionsConfig | None = None, algo: AlgoConfig | None = None):
+                 ratio_cap: float = 0.0, conventions: ConventionsConfig | None = None, algo: AlgoConfig | None = None,
+                 rank: int = 0):
         self.transformer, self.cfg, self.sampling, self.seed = transformer, train, sampling, seed
+        self.rank = rank  # data-parallel rank: nft/awm draw their training noise per rank (gerl/workers/matching.py)
         self.conventions = conventions or ConventionsConfig()
         self.algo = algo or AlgoConfig()
         # The rollout records Gaussian log-probs; the loss sees them in the configured convention (an exact map).
@@ -234,9 +236,13 @@ class ActorWorker:
         return out
 
     def update(self, batch: RolloutBatch, advantages: torch.Tensor, step: int) -> dict[str, float]:
-        """Inner epochs of optimizer steps on `batch` with the configured algorithm. Returns step metrics."""
+        """Inner epochs of optimizer steps on `batch` with the configured algorithm. Returns step metrics.
+        batch.stale_weight (streaming, engine.stale=downweight) weighs each sample's policy loss: every flow_grpo
+        loss is linear in a positive scale of the advantage, so there it scales the advantages; nft and awm weigh
+        their per-sample losses (for nft a scaled advantage would pull toward the anchor, not shrink the update)."""
         if self.algo.name == "flow_grpo":
-            m = self._update_flow_grpo(batch, advantages, step)
+            w = batch.stale_weight
+            m = self._update_flow_grpo(batch, advantages if w is None else advantages * w.to(advantages), step)
         else:
             from gerl.workers.matching import matching_update
 

@@ -25,7 +25,8 @@ class RolloutBatch:
     reward_extras: dict[str, list] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)  # seconds per rollout stage
     spans: list[dict] = field(default_factory=list)  # {"name", "start", "end"} wall-clock spans of the rollout's stages
-    adv_scale: torch.Tensor | None = None  # (B,) multiplies the advantages (streaming: down-weighted stale groups)
+    # (B,) each sample's weight in the policy loss (streaming, engine.stale=downweight: < 1 for stale groups); None = 1
+    stale_weight: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -44,7 +45,7 @@ def subset(batch: RolloutBatch, keep: torch.Tensor) -> RolloutBatch:
         images=pick(batch.images), policy_version=batch.policy_version,
         rewards=None if batch.rewards is None else batch.rewards[idx],
         reward_extras={k: pick(v) for k, v in batch.reward_extras.items()}, timings=batch.timings,
-        adv_scale=None if batch.adv_scale is None else batch.adv_scale[idx],
+        stale_weight=None if batch.stale_weight is None else batch.stale_weight[idx],
     )
 
 

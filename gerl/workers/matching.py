@@ -1,14 +1,20 @@
 """The actor's update for the clean-sample objectives (algo.name = nft | awm, gerl/algo/matching.py).
 
 Each sample's clean final latent x0 is noised again at `train_timesteps` noise levels σ of the sampling schedule,
-with fresh noise ε seeded by (seed, step): x_σ = (1 − σ)·x0 + σ·ε. The transformer's velocity there (classifier-
-free guided when sampling.guidance_scale > 1, as in the peers' training) enters the algorithm's loss:
-- nft: with the anchor's velocity v_old at the same point (the anchor is the "old" policy that sampled x0);
+with fresh noise ε: x_σ = (1 − σ)·x0 + σ·ε. As in both references, every data-parallel rank and every inner epoch
+draws its own points (`training_points`, seeded by seed, step, rank, epoch and sample or micro-batch, so a run and
+its resume draw the same ones). The transformer's velocity there enters the algorithm's loss:
+- nft: with the anchor's velocity v_old at the same point (the anchor is the "old" policy that sampled x0); always
+  without classifier-free guidance, as DiffusionNFT trains (config validation refuses nft with guidance > 1);
 - awm: as a flow-matching likelihood surrogate whose ratio to the same quantity at the weights this update started
-  from is PPO-clipped (those old values come from a no-grad pass before the first optimizer step).
+  from is PPO-clipped (classifier-free guided when sampling.guidance_scale > 1, AWM's train.cfg). Until the first
+  optimizer step of the update the weights have not moved, so that old value is the training forward's own,
+  detached; only points trained after it take theirs from a no-grad pass over the starting weights, as the AWM
+  reference computes "old log-probs only for the off-policy samples" (with one optimizer step per epoch, none).
 Optional velocity penalties: train.beta × ‖v − v_ref‖² (the adapter off, or the frozen copy) and
-algo.anchor_beta × ‖v − v_anchor‖². The optimizer step itself (fp16 unscaling, data-parallel all-reduce, clip) is
-ActorWorker.optimizer_step, shared with Flow-GRPO.
+algo.anchor_beta × ‖v − v_anchor‖². A stale group's samples (engine.stale=downweight) weigh less in the policy loss.
+The optimizer step itself (fp16 unscaling, data-parallel all-reduce, clip) is ActorWorker.optimizer_step, shared
+with Flow-GRPO.
 """
 
 from __future__ import annotations
@@ -18,18 +24,35 @@ import math
 import torch
 
 from gerl.algo.matching import awm_log_prob, awm_loss, noised, nft_loss, timestep_indices, velocity_penalty
+from gerl.determinism import point_seed
 from gerl.sampling.loop import predict_velocity
 
 
-def training_points(actor, batch, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(indices (B, K) into the sampling schedule, noise (B, K, C, h, w)) for this step's update, seeded by
-    (seed, step): the same on every rank and after a resume."""
+def training_points(actor, batch, step: int, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(indices (B, K) into the sampling schedule, noise (B, K, C, h, w)) that this rank trains in inner epoch
+    `epoch` of `step`.
+
+    Each sample's noise (and, for timesteps=random, its K distinct indices: NFT's per-sample permutation) comes
+    from a generator seeded by (seed, step, rank, epoch, sample); timesteps=stratified draws one set of strata per
+    training micro-batch (AWM redraws them for every micro-batch), seeded by (seed, step, rank, epoch, mini-batch,
+    micro-batch). Nothing depends on the order of calls, so the old-log-prob pass and the training loop see the
+    same points, and a resumed run the same as an uninterrupted one."""
     s, a = actor.sampling, actor.algo
     B, K = len(batch), actor.train_timesteps
-    g = torch.Generator().manual_seed(actor.seed * 7919 + step * 2 + 1)
-    idx = timestep_indices(batch.schedule.num_steps, s.timestep_fraction, K, B, a.timesteps, g)
-    x0 = batch.traj.final_latents
-    noise = torch.randn((B, K, *x0.shape[1:]), generator=g, dtype=torch.float32)
+    n, key = batch.schedule.num_steps, (actor.seed, step, actor.rank, epoch)
+    gens = [torch.Generator().manual_seed(point_seed(*key, "sample", i)) for i in range(B)]
+    if a.timesteps == "random":
+        idx = torch.cat([timestep_indices(n, s.timestep_fraction, K, 1, "random", g) for g in gens])
+    else:
+        idx = torch.empty(B, K, dtype=torch.long)
+        mb = actor.cfg.micro_batch_size
+        for m, mini in enumerate(actor.mini_batches(B, step, epoch)):
+            for u, u0 in enumerate(range(0, len(mini), mb)):
+                micro = mini[u0:u0 + mb]
+                g = torch.Generator().manual_seed(point_seed(*key, "micro", m, u))
+                idx[micro] = timestep_indices(n, s.timestep_fraction, K, len(micro), a.timesteps, g)
+    shape = batch.traj.final_latents.shape[1:]
+    noise = torch.stack([torch.randn((K, *shape), generator=g, dtype=torch.float32) for g in gens])
     return idx, noise
 
 
@@ -42,18 +65,23 @@ def _point(batch, idx, k_idx, noise_k, device):
             batch.embeds.index(idx).to(device))
 
 
-def matching_update(actor, batch, advantages: torch.Tensor, step: int) -> dict:
+def matching_update(actor, batch, advantages: torch.Tensor, step: int, reuse_training_forward: bool = True) -> dict:
+    """Inner epochs of optimizer steps on `batch` with nft_loss or awm_loss. `reuse_training_forward=False` takes
+    every AWM old log-prob from the no-grad pass (the control that tests and benchmarks/bench_awm_old_pass.py
+    compare with); the result is the same."""
     cfg, a = actor.cfg, actor.algo
-    idx_plan, noise = training_points(actor, batch, step)
-    B, K = idx_plan.shape
+    B, K = len(batch), actor.train_timesteps
     device = next(actor.transformer.parameters()).device
-    old_lp = _awm_old_log_probs(actor, batch, idx_plan, noise, device) if a.name == "awm" else None
+    old_lp = _awm_old_log_probs(actor, batch, step, reuse_training_forward) if a.name == "awm" else None
+    weight = batch.stale_weight  # (B,) or None: a stale group's samples count less in the policy loss
+    g = actor.sampling.guidance_scale
     sums: dict[str, float] = {}
-    count, max_dev, stepped = 0, 0.0, False
+    count, stepped = 0, False  # stepped: has an optimizer step moved the weights in this update?
     skipped: dict[str, int] = {}
     grad_norms: list[float] = []
     actor.transformer.train()
     for epoch in range(cfg.inner_epochs):
+        idx_plan, noise = training_points(actor, batch, step, epoch)
         for mini in actor.mini_batches(B, step, epoch):
             actor.optimizer.zero_grad(set_to_none=True)
             n_micro = math.ceil(len(mini) / cfg.micro_batch_size)
@@ -61,9 +89,8 @@ def matching_update(actor, batch, advantages: torch.Tensor, step: int) -> dict:
             for j in range(K):
                 for u0 in range(0, len(mini), cfg.micro_batch_size):
                     idx = mini[u0:u0 + cfg.micro_batch_size]
-                    k_idx = idx_plan[idx, j]
-                    x0, eps, sigma, x_t, t, embeds = _point(batch, idx, k_idx, noise[idx, j], device)
-                    g = actor.sampling.guidance_scale
+                    x0, eps, sigma, x_t, t, embeds = _point(batch, idx, idx_plan[idx, j], noise[idx, j], device)
+                    w = None if weight is None else weight[idx].to(device)
                     # The anchor's velocity first: swapping its tensors in and out writes the parameters in place,
                     # which must happen before the policy's forward records them for backward.
                     v_anchor = None
@@ -73,13 +100,13 @@ def matching_update(actor, batch, advantages: torch.Tensor, step: int) -> dict:
                     v = predict_velocity(actor.transformer, x_t, t, embeds, g)
                     adv = advantages[idx].to(device)
                     if a.name == "nft":
-                        loss, stats = nft_loss(v.float(), v_anchor, x0, x_t, sigma, adv, a.nft_beta, cfg.adv_clip_max)
+                        loss, stats = nft_loss(v.float(), v_anchor, x0, x_t, sigma, adv, a.nft_beta, cfg.adv_clip_max, w)
                     else:
                         lp = awm_log_prob(v, x0, eps, sigma, a.awm_weighting, a.awm_ghuber_power)
-                        old = old_lp[idx, j].to(device)
-                        loss, stats = awm_loss(lp, old, adv, cfg.clip_range, cfg.adv_clip_max, a.awm_advantage_max)
-                        if not stepped:
-                            max_dev = max(max_dev, float((torch.exp(lp.detach() - old) - 1).abs().max()))
+                        # weights not yet moved: this forward is the starting weights' own (the reference's on-policy
+                        # micro-batches); later, the no-grad pass's value at the same point
+                        old = lp.detach() if reuse_training_forward and not stepped else old_lp[epoch, idx, j].to(device)
+                        loss, stats = awm_loss(lp, old, adv, cfg.clip_range, cfg.adv_clip_max, a.awm_advantage_max, w)
                     loss = loss + _penalties(actor, x_t, t, embeds, v, v_anchor, stats)
                     if not torch.isfinite(loss):
                         finite = False
@@ -95,8 +122,6 @@ def matching_update(actor, batch, advantages: torch.Tensor, step: int) -> dict:
             grad_norms.append(gn)
             stepped = True
     metrics = {k: v / max(count, 1) for k, v in sums.items()}
-    if a.name == "awm":
-        metrics["ratio_max_dev_before_update"] = max_dev
     return actor.step_metrics(metrics, grad_norms, skipped, K)
 
 
@@ -117,16 +142,28 @@ def _penalties(actor, x_t, t, embeds, v, v_anchor, stats: dict) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _awm_old_log_probs(actor, batch, idx_plan: torch.Tensor, noise: torch.Tensor, device) -> torch.Tensor:
-    """(B, K) AWM log-probs at the weights this update starts from (the ratio's denominator), fp64 on the CPU."""
+def _awm_old_log_probs(actor, batch, step: int, reuse_training_forward: bool) -> torch.Tensor:
+    """(inner_epochs, B, K) AWM log-probs at the weights this update starts from (the ratio's denominator), fp64 on
+    the CPU, for every point that may be trained after the first optimizer step: all of them but the first
+    mini-batch of epoch 0 (whose training forward runs before any step), or all with reuse_training_forward=False.
+    Entries left out are NaN."""
     a, mb = actor.algo, actor.cfg.micro_batch_size
-    B, K = idx_plan.shape
-    out = torch.zeros(B, K, dtype=torch.float64)
+    B, K, E = len(batch), actor.train_timesteps, actor.cfg.inner_epochs
+    device = next(actor.transformer.parameters()).device
+    out = torch.full((E, B, K), math.nan, dtype=torch.float64)
     actor.transformer.eval()
-    for j in range(K):
-        for s0 in range(0, B, mb):
-            idx = torch.arange(s0, min(s0 + mb, B))
-            x0, eps, sigma, x_t, t, embeds = _point(batch, idx, idx_plan[idx, j], noise[idx, j], device)
-            v = predict_velocity(actor.transformer, x_t, t, embeds, actor.sampling.guidance_scale)
-            out[idx, j] = awm_log_prob(v, x0, eps, sigma, a.awm_weighting, a.awm_ghuber_power).cpu()
+    for epoch in range(E):
+        need = torch.ones(B, dtype=torch.bool)
+        if reuse_training_forward and epoch == 0:
+            need[actor.mini_batches(B, step, 0)[0]] = False
+        todo = need.nonzero().flatten()
+        if not len(todo):
+            continue
+        idx_plan, noise = training_points(actor, batch, step, epoch)
+        for j in range(K):
+            for s0 in range(0, len(todo), mb):
+                idx = todo[s0:s0 + mb]
+                x0, eps, sigma, x_t, t, embeds = _point(batch, idx, idx_plan[idx, j], noise[idx, j], device)
+                v = predict_velocity(actor.transformer, x_t, t, embeds, actor.sampling.guidance_scale)
+                out[epoch, idx, j] = awm_log_prob(v, x0, eps, sigma, a.awm_weighting, a.awm_ghuber_power).cpu()
     return out

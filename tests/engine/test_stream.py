@@ -104,10 +104,10 @@ def test_stream_bounds_staleness_stages_weights_and_resumes(tmp_path):
     assert end["dropped_total"] == resumed[-1]["stale_groups_dropped_total"] >= dropped3
 
 
-def test_downweighted_stale_groups_keep_their_advantage_times_the_decay(tmp_path):
-    """stale=downweight: the straggler is kept (nothing dropped) and its advantages are scaled by
-    stale_decay^(lag − max_staleness); checked on the stream's own assembly of a step's groups. And the run issues
-    no group that its last steps cannot take: nothing is generated or scored past max_steps."""
+def test_downweighted_stale_groups_weigh_the_decay_in_the_loss(tmp_path):
+    """stale=downweight: the straggler is kept (nothing dropped) and its samples weigh stale_decay^(lag −
+    max_staleness) in the policy loss; checked on the stream's own assembly of a step's groups. And the run issues no
+    group that its last steps cannot take: nothing is generated or scored past max_steps."""
     from types import SimpleNamespace
 
     from gerl.engine.stream import GroupStream
@@ -139,7 +139,7 @@ def test_downweighted_stale_groups_keep_their_advantage_times_the_decay(tmp_path
     stream = GroupStream.__new__(GroupStream)
     stream.P, stream.n, stream.unit, stream.k, stream.stale, stream.decay = 3, 2, 1, 1, "downweight", 0.5
     stream.dropped_total = 0
-    merged = SimpleNamespace(spans=[], group_ids=None, timings={}, adv_scale=None)
+    merged = SimpleNamespace(spans=[], group_ids=None, timings={}, stale_weight=None)
     import gerl.engine.stream as st
     real_merge, real_results = st.merge, st.merge_results
     st.merge, st.merge_results = (lambda bs: merged), (lambda rs, names: None)
@@ -148,7 +148,7 @@ def test_downweighted_stale_groups_keep_their_advantage_times_the_decay(tmp_path
     finally:
         st.merge, st.merge_results = real_merge, real_results
     # lags 0, 1, 3 with max_staleness 1: weights 1, 1, 0.5^(3 − 1) = 0.25, one per image of each group
-    assert batch.adv_scale.tolist() == [1.0, 1.0, 1.0, 1.0, 0.25, 0.25]
+    assert batch.stale_weight.tolist() == [1.0, 1.0, 1.0, 1.0, 0.25, 0.25]
     assert batch.timings["policy_lags"] == [0, 1, 3]
 
 

@@ -1,7 +1,8 @@
 """The model-family layer (gerl/models/family.py): a model's family comes from its model_index.json before anything
 loads (a directory gerl cannot train is one clear error, on every path that reaches the loader), and for every
-family (SD3, FLUX.1-dev, FLUX.1-schnell, Qwen-Image) and every algorithm the first update starts where the rollout left off:
-ratio = 1 for Flow-GRPO, Flow-GRPO-Fast and AWM, the policy's velocity = the anchor's for NFT (fp32, ≤ 1e-6)."""
+family (SD3, FLUX.1-dev, FLUX.1-schnell, Qwen-Image) and every algorithm the first update starts where the rollout
+left off: ratio = 1 for Flow-GRPO and Flow-GRPO-Fast, the policy's velocity = the anchor's for NFT (fp32, ≤ 1e-6), and
+for AWM the same first gradient whether its denominator comes from the training forward or the batched no-grad pass."""
 
 import copy
 import json
@@ -17,6 +18,7 @@ from gerl.models.loader import TextEmbedder, add_lora, load_pipeline, model_fami
 from gerl.models.tiny import RESOLUTION, TOKEN_LENGTH
 from gerl.sampling.loop import predict_velocity
 from gerl.workers.actor import ActorWorker
+from gerl.workers.matching import matching_update
 from gerl.workers.rollout import RolloutWorker
 
 PROMPTS = ["a red cat", "a red cat", "hello 42", "hello 42"]
@@ -127,7 +129,19 @@ def test_the_first_update_starts_where_the_rollout_left_off(model, algo):
         tr.train()  # as in the update: the same micro-batch through the trained weights, with grad
         v = predict_velocity(tr, x_t, t, batch.embeds, guidance)
         assert (v.detach() - v_old).abs().max() <= 1e-6
-    metrics = actor.update(batch, torch.tensor([1.0, -1.0, -1.0, 1.0]), step=1)
+    adv = torch.tensor([1.0, -1.0, -1.0, 1.0])
+    if name == "awm":
+        # AWM's denominator before the first optimizer step is the training forward itself (ratio 1 by
+        # construction); the control takes it from the no-grad pass instead, and runs everything in micro-batches of
+        # 4 where the update runs 1. Equal gradients (their norm: Adam's first step hides a scale) say the batched
+        # velocity equals the per-sample one.
+        twin = ActorWorker(copy.deepcopy(tr), TrainConfig(micro_batch_size=4, learning_rate=1e-3),
+                           ModelConfig(lora=True), sampling, max_steps=1, images_per_step=4, seed=0,
+                           algo=AlgoConfig(name=name, train_timesteps=2))
+        control = matching_update(twin, batch, adv, step=1, reuse_training_forward=False)
+    metrics = actor.update(batch, adv, step=1)
     assert metrics["grad_norm"] > 0
-    if name != "nft":
+    if name == "flow_grpo":
         assert metrics["ratio_max_dev_before_update"] <= 1e-6
+    if name == "awm":
+        assert abs(control["grad_norm"] - metrics["grad_norm"]) <= 1e-6 * metrics["grad_norm"]

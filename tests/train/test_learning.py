@@ -35,7 +35,6 @@ def _read(run_dir) -> tuple[dict[int, float], float]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rewards = [r["reward_mean"] for r in rows if r.get("reward_mean") is not None]
     assert len(rewards) == STEPS
-    assert max(r["ratio_max_dev_before_update"] for r in rows if "ratio_max_dev_before_update" in r) < 1e-4
     val = {r["step"]: r["val_reward_mean"] for r in rows if r.get("val_reward_mean") is not None}
     return val, sum(rewards[-8:]) / 8
 
@@ -65,7 +64,8 @@ def test_held_out_ocr_reward_rises_and_flipped_advantage_lowers_it(tmp_path):
     print(summary)
     assert sorted(learn) == [0, STEPS] and sorted(flip) == [STEPS]
     # measured (1 thread each, seed 0's adapter): dev 0.332 → 0.449 learning, → 0.117 flipped; training reward of
-    # the last 8 steps 0.492 learning, 0.216 flipped
+    # the last 8 steps 0.492 learning, 0.216 flipped. With issue 34's training noise (per rank, epoch and sample;
+    # AWM's strata per micro-batch): 0.332 → 0.426 learning, → 0.121 flipped; 0.462 and 0.219
     assert learn[STEPS] - base > 0.03, f"the dev OCR reward did not rise: {summary}"
     assert flip[STEPS] < base - 0.1, f"flipped advantages did not lower the dev OCR reward: {summary}"
     assert learn[STEPS] - flip[STEPS] > 0.2, f"the advantage's sign barely matters: {summary}"
