@@ -3,8 +3,8 @@
 Everything above the velocity call is architecture-free (the SDE/CPS step and its log-prob, Flow-GRPO / Fast / NFT /
 AWM, the engine and its schedules, rewards, checkpoints). A family answers the few questions that are not: how its
 pipeline is loaded, how prompts become embeddings, the latent layout, the velocity call, the σ schedule, decoding,
-and the default LoRA targets. One file per family (gerl/models/sd3.py, flux.py, qwenimage.py) subclasses `Family`; the trainer,
-the algorithms and the workers never ask which family they hold — a worker looks its family up once
+and the default LoRA targets. One file per family (gerl/models/sd3.py, flux.py, qwenimage.py) subclasses `Family`;
+the trainer, the algorithms and the workers never ask which family they hold — a worker looks its family up once
 (`family_of(pipe)`) and calls its methods, and `gerl.sampling.loop.predict_velocity` dispatches on the transformer.
 
 Conventions every family keeps, so that the shared code stays shared:

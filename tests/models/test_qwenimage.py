@@ -4,7 +4,7 @@ without true CFG; its σ schedule is the pipeline's at real sizes (resolution sh
 hand); and a directory written by QwenImagePipeline.save_pretrained trains with model.path=DIR, its LoRA (the family's
 default targets) loading back into the stock pipeline and peft with the trained policy's output. (The math pieces
 alone: test_qwenimage_math.py; ratio = 1 before the first update: test_families.py; the Ray schedules:
-tests/engine/test_flux.py. How each check went red against a broken family: docs/lab_notebook.md.)"""
+tests/engine/test_families.py. How each check went red against a broken family: docs/lab_notebook.md.)"""
 
 import copy
 import math
@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from gerl.errors import UserError
-from gerl.models import qwenimage_math as qm
 from gerl.models.family import families, family_of
 from gerl.models.loader import TextEmbedder
 from gerl.models.tiny_qwenimage import SCHEDULER_CONFIG, build_tiny_qwenimage, save_tiny_qwenimage
