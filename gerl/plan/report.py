@@ -43,10 +43,15 @@ def format_role(r: RolePlan, checkpointing: bool, unit: str = "GiB") -> list[str
 
 def format_plan(plan: MemoryPlan) -> str:
     """The plan as text: a header, then per role its resident lines, phases, peak and card verdicts."""
-    c, h, w = plan.latent
     out = [f"gerl plan: {plan.model} ({plan.source})",
-           f"  {plan.dtype}, {plan.resolution} px → latent {c}×{h}×{w}, text {plan.clip_tokens} CLIP + "
-           f"{plan.t5_tokens} T5 tokens; {plan.placement}", ""]
+           f"  {plan.dtype}, {plan.resolution} px → latent {'×'.join(map(str, plan.latent))}, {plan.inputs}; "
+           f"{plan.placement}"]
+    if plan.training_forwards:
+        old = {None: "", True: " (awm: the policy moves within an update, so old log-probs need their own forward)",
+               False: " (awm: one optimizer step per update, so the training forward gives the old log-probs)"}
+        out.append(f"  algo.name={plan.algo}: transformer forwards per trained point: "
+                   f"{' + '.join(plan.training_forwards)}{old[plan.awm_old_forward]}")
+    out.append("")
     unit = "GiB" if max(r.peak_gib for r in plan.roles) >= 1 else "MiB"
     for r in plan.roles:
         out += format_role(r, plan.gradient_checkpointing, unit) + [""]
