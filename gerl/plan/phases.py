@@ -208,29 +208,41 @@ def optimizer_step(opt: torch.optim.Optimizer, params: list[torch.nn.Parameter],
 # ------------------------------------------------------------------ the rollout
 
 def denoise_step(transformer, b: int, w: Work, guidance: float, recorded: int, swap=None):
-    """The fullest step of gerl.sampling.loop.denoise on a micro-batch (no grad): one after the last recorded step
-    (the final step never is one), its velocity forward (CFG doubles the batch) running while the conditioning, the
-    latent and all `recorded` (x_t, x_t+1) pairs are held; the step (an SDE step's temporaries when steps are
-    recorded, which bounds theirs); then `denoise`'s stacking of the records, lists and stacks alive together.
-    `swap`: weights swapped in for the whole generation (nft's anchor on a shared transformer)."""
+    """The fullest moments of gerl.sampling.loop.denoise on a micro-batch (no grad). Alive throughout: the
+    conditioning and the initial noise (`denoise`'s argument); at each forward also the current latent and the
+    previous step's velocity and output, until the names are rebound. With `recorded` SDE steps (Flow-GRPO, one
+    window of consecutive steps): the last one, its temporaries with its noise moved to the device; the next (ODE)
+    step's forward, the fullest, while the records are held — the window's first x_t (the initial noise itself when
+    the window starts at step 0) and each step's x_t+1, which is the next step's x_t — and `denoise`'s stacking of
+    them at the end, lists and stacks alive together. nft/awm record nothing: one ODE step. `swap`: weights swapped
+    in for the whole generation (nft's anchor on a shared transformer)."""
     smp = w.cfg.sampling
 
     def run():
         with torch.no_grad(), _swapped(swap):
-            cond = w.cond(b, guidance)
-            x = w.latents(b)
-            held = [w.latents(b) for _ in range(2 * recorded)]
+            cond, noise = w.cond(b, guidance), w.latents(b)
             sched = _schedule()
-            v = w.fam.velocity(transformer, x, sched.timesteps[0].expand(b), cond, guidance)
-            sigma, sigma_next = sched.sigmas[0], sched.sigmas[1]
-            if recorded:
-                noise = w.latents(b)  # this step's slice of the SDE noise, moved to the device
-                stochastic_step(smp.sampler, v, x, sigma, sigma_next, smp.noise_level, sched.sigma_max, noise=noise)
-                del noise
-                x = ode_step(v, x, sigma, sigma_next).prev_sample
-                torch.stack(held[0::2], 1), torch.stack(held[1::2], 1), torch.empty(b, recorded)
-            else:
+            t, sigma, sigma_next = sched.timesteps[0].expand(b), sched.sigmas[0], sched.sigmas[1]
+            if not recorded:
+                x, v_prev = w.latents(b), w.latents(b)
+                v = w.fam.velocity(transformer, x, t, cond, guidance)
+                del v_prev
                 ode_step(v, x, sigma, sigma_next)
+                return
+            rec_x = [noise if smp.sde_window_size == 0 else w.latents(b)]
+            rec_next = []
+            for _ in range(recorded - 1):
+                rec_next.append(w.latents(b))
+                rec_x.append(rec_next[-1])
+            v = w.latents(b)  # the last recorded step's velocity
+            mean_prev = w.latents(b) if recorded > 1 else None  # the step before's SDE mean (an ODE step's is x_t)
+            out = stochastic_step(smp.sampler, v, rec_x[-1], sigma, sigma_next, smp.noise_level, sched.sigma_max,
+                                  noise=w.latents(b))
+            rec_next.append(out.prev_sample)
+            del mean_prev
+            v = w.fam.velocity(transformer, rec_next[-1], t, cond, guidance)  # the next step's; the last one freed
+            out = ode_step(v, rec_next[-1], sigma, sigma_next)
+            torch.stack(rec_x, 1), torch.stack(rec_next, 1), torch.empty(b, recorded)
     return run
 
 
