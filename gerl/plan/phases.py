@@ -246,10 +246,13 @@ def denoise_step(transformer, b: int, w: Work, guidance: float, recorded: int, s
     return run
 
 
-def vae_decode(vae, b: int, w: Work, swap=None):
-    """gerl.workers.rollout.decode of b latents up to the host copy."""
+def vae_decode(vae, b: int, w: Work, guidance: float, recorded: int, swap=None):
+    """gerl.workers.rollout.decode of b latents up to the host copy, while the micro-batch's conditioning and its
+    trajectory (the `recorded` steps' stacked x_t and x_t+1) are still on the device, as `generate` holds them."""
     def run():
         with _swapped(swap):
+            cond = w.cond(b, guidance)  # noqa: F841 (kept alive)
+            records = [torch.empty(b, recorded, *w.latent) for _ in range(2 if recorded else 0)]  # noqa: F841
             w.fam.decode(vae, w.latents(b))
     return run
 

@@ -127,8 +127,7 @@ def resident_items(cfg: Config, fam, modules: dict, trained: list) -> dict[str, 
     if t.ema_decay > 0:
         actor.append(Item(f"EMA weights (train.ema_decay={t.ema_decay:g})", _gib(adapter)))
     if a.name != "flow_grpo":
-        why = "samples and regresses against it" if a.name == "nft" else f"algo.anchor_beta={a.anchor_beta:g}"
-        actor.append(Item(f"anchor θ_old ({what}; {a.name}: {why})", _gib(adapter)))
+        actor.append(Item(f"anchor θ_old (algo.name={a.name})", _gib(adapter)))
     rollout = []
     if cfg.engine.schedule == "stream" and not (cfg.engine.hybrid or cfg.engine.kind == "local"):
         rollout.append(Item("staged weights (engine.schedule=stream)", _gib(adapter)))
@@ -166,7 +165,7 @@ def _actor_phases(cfg: Config, tr, w: phases.Work, st: State, old_forward: bool)
     if a.name == "awm" and old_forward:
         out.append(("awm old log-prob forward (no grad)", TRAIN, lambda b: phases.awm_old_forward(tr, b, w), None))
     if anchor_forward_in_training(cfg):
-        out.append(("anchor forward (no grad, trained tensors swapped out: their backup held)", TRAIN,
+        out.append(("anchor forward (no grad, swapped in: backup held)", TRAIN,
                     lambda b: phases.anchor_forward(tr, b, w, (st.trained, st.anchor)), None))
     train = phases.flow_grpo_train if a.name == "flow_grpo" else phases.matching_train
     out += [(f"training fwd+bwd, gradient checkpointing {'on' if c else 'off'}", TRAIN,
@@ -189,17 +188,18 @@ def _rollout_phases(cfg: Config, role: str, modules: dict, w: phases.Work, st: S
             lambda b: phases.text_encode(encoders, b, w, gen), None),
            (f"denoising forward ({guide}no grad{held})", SAMPLE,
             lambda b: phases.denoise_step(tr, b, w, smp.guidance_scale, recorded, gen), None),
-           (f"VAE decode (fp32{held})", SAMPLE, lambda b: phases.vae_decode(vae, b, w, gen), None)]
+           (f"VAE decode (fp32{held})", SAMPLE,
+            lambda b: phases.vae_decode(vae, b, w, smp.guidance_scale, recorded, gen), None)]
     if cfg.validation.every == -1:
         return out
     eval_cfg = smp.eval_guidance_scale > 1 >= smp.guidance_scale
     if val or eval_cfg:  # otherwise validation runs what generation runs, without its recorded steps
         ema = ", EMA swapped in" if val else ""
-        out.append((f"validation denoising ({'CFG, ' if smp.eval_guidance_scale > 1 else ''}no grad{ema})", SAMPLE,
+        out.append((f"validation denoising forward ({'CFG, ' if smp.eval_guidance_scale > 1 else ''}no grad{ema})", SAMPLE,
                     lambda b: phases.denoise_step(tr, b, w, smp.eval_guidance_scale, 0, val), None))
     if val:
         out += [("validation text encoders (EMA swapped in)", SAMPLE,
                  lambda b: phases.text_encode(encoders, b, w, val), None),
                 ("validation VAE decode (fp32, EMA swapped in)", SAMPLE,
-                 lambda b: phases.vae_decode(vae, b, w, val), None)]
+                 lambda b: phases.vae_decode(vae, b, w, smp.eval_guidance_scale, 0, val), None)]
     return out
