@@ -3,8 +3,9 @@
 A role's peak = its resident tensors (weights, adapter, gradients, optimizer state: counted from shapes) + the
 largest transient peak among its phases (counted by running each phase on fake tensors, gerl/plan/count.py). The
 phases run one after another on a device, so their transients never add up; the resident part is there throughout.
-Transients are linear in the micro-batch: each phase is counted at the configured micro-batch and at one other,
-which gives the per-sample slope used to find the largest micro-batch that fits a card.
+Transients are linear in the micro-batch: each phase is counted at the configured micro-batch and at twice it,
+which gives the per-sample slope used to find the largest micro-batch that fits a card. What each role holds and
+runs follows algo.name (gerl/plan/work.py); the model's architecture enters through its family (gerl/plan/family.py).
 """
 
 from __future__ import annotations
