@@ -32,6 +32,7 @@ from gerl.workers.batch import RolloutBatch
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = {a: str(REPO / "recipes" / f"{a}_sd3_ocr.yaml") for a in ("flow_grpo", "nft", "awm")}
+TINY = str(REPO / "recipes" / "tiny_cpu.yaml")
 RES, CLIP, T5, WIDTH = 128, 16, 8, 256  # px; CLIP and T5 tokens; text width
 LATENT = (16, RES // 8, RES // 8)
 B = 2  # images per step: one optimizer step of two training micro-batches
@@ -138,7 +139,8 @@ def _scratch_free_peak(program) -> tuple[int, int]:
 
 
 def _existing_bytes(module) -> int:
-    return sum(t.numel() * t.element_size() for t in {id(t): t for t in [*module.parameters(), *module.buffers()]}.values())
+    unique = {id(t): t for t in [*module.parameters(), *module.buffers()]}
+    return sum(t.numel() * t.element_size() for t in unique.values())
 
 
 # (algo, dtype, LoRA, checkpointing, the phase that makes the actor's peak) — the last shows what each case checks:
@@ -284,5 +286,3 @@ def test_the_swap_backup_is_held_where_the_weights_are_swapped():
         assert (gib - plain) * 2**30 == pytest.approx(backup, abs=1024), name
     assert not any("swapped" in p.name for p in split.role("rollout").phases)
 
-
-TINY = str(REPO / "recipes" / "tiny_cpu.yaml")

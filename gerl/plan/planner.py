@@ -21,7 +21,7 @@ from gerl.models.loader import DTYPES, add_lora
 from gerl.plan import phases, work
 from gerl.plan.count import fake_mode, fakeify, peak_bytes
 from gerl.plan.family import family_for
-from gerl.plan.work import GIB, SAMPLE, TRAIN, Item, State
+from gerl.plan.work import GIB, TRAIN, Item, State
 
 # Cards by their marketed size, with the capacity CUDA reports for a typical one (torch's total_memory, the "total
 # capacity" of an out-of-memory message), GiB.

@@ -171,7 +171,8 @@ def _actor_phases(cfg: Config, tr, w: phases.Work, st: State, old_forward: bool)
     out += [(f"training fwd+bwd, gradient checkpointing {'on' if c else 'off'}", TRAIN,
              lambda b: train(tr, b, w), c) for c in (ckpt, not ckpt)]
     scaled = w.dtype == torch.float16 and t.fp16_loss_scale > 0 and cfg.model.lora
-    out.append(("clip + AdamW step (foreach)", None, phases.optimizer_step(st.optimizer, st.trained, cfg, scaled), None))
+    step = phases.optimizer_step(st.optimizer, st.trained, cfg, scaled)
+    out.append(("clip + AdamW step (foreach)", None, step, None))
     return out
 
 
@@ -195,7 +196,8 @@ def _rollout_phases(cfg: Config, role: str, modules: dict, w: phases.Work, st: S
     eval_cfg = smp.eval_guidance_scale > 1 >= smp.guidance_scale
     if val or eval_cfg:  # otherwise validation runs what generation runs, without its recorded steps
         ema = ", EMA swapped in" if val else ""
-        out.append((f"validation denoising forward ({'CFG, ' if smp.eval_guidance_scale > 1 else ''}no grad{ema})", SAMPLE,
+        guide = "CFG, " if smp.eval_guidance_scale > 1 else ""
+        out.append((f"validation denoising forward ({guide}no grad{ema})", SAMPLE,
                     lambda b: phases.denoise_step(tr, b, w, smp.eval_guidance_scale, 0, val), None))
     if val:
         out += [("validation text encoders (EMA swapped in)", SAMPLE,
