@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from gerl.plan.planner import MemoryPlan, RolePlan
 
-W = 62  # width of the name column
+W = 74  # width of the name column
 
 
 def _short(knob: str) -> str:
@@ -26,7 +26,7 @@ def format_role(r: RolePlan, checkpointing: bool, unit: str = "GiB") -> list[str
         at = f"{p.knob.split('.')[0]} mb {p.batch}" if p.knob else ""
         tail = f"  (+{p.per_sample_gib * k:.3f}/sample)" if p.knob else ""
         tail += "" if p.in_peak else "  not this config's"
-        lines.append(f"  {mark} {p.name}".ljust(W - 12) + f"{at:>12}" + f"{p.gib * k:9.2f}" + tail)
+        lines.append(f"  {mark} {p.name}".ljust(W - 15) + f"{at:>15}" + f"{p.gib * k:9.2f}" + tail)
     lines.append(f"  peak = resident + {top.name if top else 'nothing'}".ljust(W) + f"{r.peak_gib * k:9.2f}")
     if any(p.checkpointing is not None for p in r.phases):
         other = not checkpointing
