@@ -3,8 +3,9 @@
 A role's peak = its resident tensors (weights, adapter, gradients, optimizer state: counted from shapes) + the
 largest transient peak among its phases (counted by running each phase on fake tensors, gerl/plan/count.py). The
 phases run one after another on a device, so their transients never add up; the resident part is there throughout.
-Transients are linear in the micro-batch: each phase is counted at the configured micro-batch and at one other,
-which gives the per-sample slope used to find the largest micro-batch that fits a card.
+Transients are linear in the micro-batch: each phase is counted at the configured micro-batch and at twice it,
+which gives the per-sample slope used to find the largest micro-batch that fits a card. What each role holds and
+runs follows algo.name (gerl/plan/work.py); the model's architecture enters through its family (gerl/plan/family.py).
 """
 
 from __future__ import annotations
@@ -16,13 +17,12 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from gerl.config import Config
-from gerl.errors import UserError
-from gerl.models.loader import DTYPES, ROLE_COMPONENTS, add_lora
-from gerl.plan import phases
-from gerl.plan.arch import architecture
-from gerl.plan.count import fake_mode, fakeify, peak_bytes, tensor_bytes
+from gerl.models.loader import DTYPES, add_lora
+from gerl.plan import phases, work
+from gerl.plan.count import fake_mode, fakeify, peak_bytes
+from gerl.plan.family import family_for
+from gerl.plan.work import GIB, TRAIN, Item, State
 
-GIB = 2**30
 # Cards by their marketed size, with the capacity CUDA reports for a typical one (torch's total_memory, the "total
 # capacity" of an out-of-memory message), GiB.
 CARDS = (("24 GB", 23.6, "RTX 4090"), ("40 GB", 39.4, "A100 40GB"), ("48 GB", 44.4, "L40S"),
@@ -31,18 +31,6 @@ CARDS = (("24 GB", 23.6, "RTX 4090"), ("40 GB", 39.4, "A100 40GB"), ("48 GB", 44
 # (a fixed ~1 GiB), and the caching allocator's fragmentation (reserved beyond allocated: 5 % of the peak).
 RESERVE_GIB = 1.0
 FRAGMENTATION = 0.05
-NAMES = {"transformer": "transformer", "vae": "VAE", "text_encoder": "CLIP-L", "text_encoder_2": "CLIP-G",
-         "text_encoder_3": "T5 encoder"}
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-TRAIN = "train.micro_batch_size"
-SAMPLE = "sampling.micro_batch_size"
-
-
-@dataclass
-class Item:
-    name: str  # what is resident, e.g. "transformer weights (fp16)"
-    gib: float
-    detail: str = ""  # sizes in words
 
 
 @dataclass
@@ -111,10 +99,12 @@ class MemoryPlan:
     source: str  # where the architecture came from
     dtype: str
     resolution: int
-    latent: tuple[int, int, int]
-    clip_tokens: int
-    t5_tokens: int
+    latent: tuple[int, ...]
+    inputs: str  # the conditioning in words ("text 77 CLIP + 256 T5 tokens")
     placement: str
+    algo: str  # algo.name
+    training_forwards: list[str]  # the transformer forwards per trained point, in order
+    awm_old_forward: bool | None  # awm: whether an extra no-grad forward computes old log-probs (None: not awm)
     gradient_checkpointing: bool
     roles: list[RolePlan]
     notes: list[str]
@@ -186,128 +176,64 @@ def card_fits(role: RolePlan, gradient_checkpointing: bool) -> list[CardFit]:
     return out
 
 
-def plan_for_config(cfg: Config) -> MemoryPlan:
-    """The memory plan of a validated config (gerl.config.load_config). Builds nothing on a device: seconds on a CPU."""
+def plan_for_config(cfg: Config, awm_old_forward: bool | None = None) -> MemoryPlan:
+    """The memory plan of a validated config (gerl.config.load_config). Builds nothing on a device: seconds on a CPU.
+
+    awm_old_forward: whether AWM runs its no-grad old-log-prob forward; None = as the trainer decides
+    (gerl.plan.work.awm_old_forward: only when an update takes more than one optimizer step)."""
     t0 = time.perf_counter()
     m = cfg.model
-    arch = architecture(m.path, m.tiny_seed)
+    fam = family_for(m)
     roles = role_names(cfg)
     dtype = DTYPES[m.dtype]
-    parts = tuple(dict.fromkeys(c for r in roles for c in ROLE_COMPONENTS["rollout" if r == "hybrid" else r]))
-    modules = {c: arch.build_meta(c, torch.float32 if c == "vae" else dtype) for c in parts}
+    parts = tuple(dict.fromkeys(c for r in roles for c in fam.components("rollout" if r == "hybrid" else r)))
+    modules = {c: fam.build(c, dtype) for c in parts}
     tr = modules["transformer"]
     if m.lora:
         add_lora(tr, m.lora_rank, m.lora_alpha, m.lora_targets)  # the real adapter: fp32, on the meta device
     else:
         tr.requires_grad_(True)
-    shapes = _shapes(cfg, arch, tr, dtype)
+    latent = fam.latent(m.resolution, tr)
     trained = [p for p in tr.parameters() if p.requires_grad]
-    residents = _resident_items(cfg, modules, trained)
+    residents = work.resident_items(cfg, fam, modules, trained)
 
     mode = fake_mode()
     for mod in modules.values():
         fakeify(mod, mode)
     trained = [p for p in tr.parameters() if p.requires_grad]
-    with mode:
+    training = bool({"actor", "hybrid"} & set(roles))
+    with mode:  # the state the actor keeps between micro-batches exists before each phase: never counted in one
         for p in trained:  # accumulated gradients exist during every micro-batch but a mini-batch's first
             p.grad = torch.zeros_like(p)
-        opt = phases.make_optimizer(trained, cfg) if {"actor", "hybrid"} & set(roles) else None
-    programs = _programs(cfg, modules, shapes, trained, opt)
+        copies = lambda: [torch.empty_like(p) for p in trained]  # noqa: E731
+        state = State(trained, copies() if cfg.algo.name != "flow_grpo" else None,
+                      copies() if cfg.train.ema_decay > 0 else None,
+                      phases.make_optimizer(trained, cfg) if training else None)
+    old_forward = work.awm_old_forward(cfg) if awm_old_forward is None else awm_old_forward
+    w = phases.Work(fam, latent, dtype, cfg)
     measurer = _Measurer(cfg, mode, tr)
     role_plans = []
     for r in roles:
         kinds = {"actor": ("actor",), "rollout": ("rollout",), "hybrid": ("actor", "rollout")}[r]
-        plan_phases = [ph for k in kinds for ph in measurer.phases(programs[k])]
-        comps = ROLE_COMPONENTS["rollout" if r == "hybrid" else r]
+        plan_phases = measurer.phases(work.role_phases(r, cfg, modules, w, state, old_forward))
+        comps = fam.components("rollout" if r == "hybrid" else r)
         resident = [i for c in comps for i in residents[c]] + [i for k in kinds for i in residents[k]]
         rp = RolePlan(r, resident, plan_phases)
         rp.cards = card_fits(rp, m.gradient_checkpointing)
         role_plans.append(rp)
     return MemoryPlan(
-        model=m.path, source=arch.source, dtype=m.dtype, resolution=m.resolution, latent=shapes.latent,
-        clip_tokens=shapes.clip_tokens, t5_tokens=shapes.t5_tokens, placement=_placement(cfg, roles),
-        gradient_checkpointing=m.gradient_checkpointing, roles=role_plans, notes=_notes(cfg),
+        model=m.path, source=fam.source, dtype=m.dtype, resolution=m.resolution, latent=tuple(latent),
+        inputs=fam.describe(), placement=_placement(cfg, roles), algo=cfg.algo.name,
+        training_forwards=work.training_forwards(cfg, old_forward) if training else [],
+        awm_old_forward=old_forward if cfg.algo.name == "awm" else None,
+        gradient_checkpointing=m.gradient_checkpointing, roles=role_plans, notes=_notes(cfg, roles, state),
         elapsed_s=round(time.perf_counter() - t0, 2))
 
 
-def _shapes(cfg: Config, arch, tr, dtype) -> phases.Shapes:
-    m = cfg.model
-    factor, patch = arch.vae_factor(), tr.config.patch_size
-    if m.resolution % (factor * patch):
-        raise UserError(f"model.resolution={m.resolution} must be a multiple of {factor * patch} (the VAE's "
-                        f"{factor}× times the transformer's {patch}×{patch} patches)")
-    side = m.resolution // factor
-    if side // patch > tr.config.pos_embed_max_size:
-        raise UserError(f"model.resolution={m.resolution} gives {side // patch} patches a side; this transformer's "
-                        f"positional table holds {tr.config.pos_embed_max_size}: lower model.resolution")
-    return phases.Shapes((arch.latent_channels(), side, side), arch.clip_tokens(), m.max_sequence_length,
-                         tr.config.joint_attention_dim, tr.config.pooled_projection_dim, dtype)
-
-
-def _gib(n: int) -> float:
-    return n / GIB
-
-
-def _count(n: int) -> str:
-    scales = ((1e9, "B", 2), (1e6, "M", 1), (1e3, "k", 1), (1, "", 0))
-    return next(f"{n / d:.{p}f} {u}" for d, u, p in scales if n >= d or d == 1)
-
-
-def _resident_items(cfg: Config, modules: dict, trained: list) -> dict[str, list[Item]]:
-    """Resident lines by owner: each component's weights (the transformer's with its LoRA adapter), and the
-    training state ("actor") and staging buffer ("rollout") of the roles."""
-    m, t = cfg.model, cfg.train
-    out = {}
-    for c, mod in modules.items():
-        frozen = [x for x in mod.parameters() if not (m.lora and x.requires_grad)] + list(mod.buffers())
-        dt = DTYPE_NAMES.get(next(mod.parameters()).dtype, "?")
-        vals = sum(x.numel() for x in {id(x): x for x in frozen}.values())
-        out[c] = [Item(f"{NAMES[c]} weights ({dt})", _gib(tensor_bytes(frozen)), f"{_count(vals)} values")]
-    adapter = tensor_bytes(trained)
-    if m.lora:
-        n = sum(p.numel() for p in trained)
-        out["transformer"].append(Item(f"LoRA adapter r{m.lora_rank} (fp32)", _gib(adapter), f"{_count(n)} params"))
-    what = "fp32 LoRA" if m.lora else DTYPE_NAMES[trained[0].dtype] + ", full fine-tuning"
-    actor = [Item(f"gradients ({what})", _gib(adapter)),
-             Item(f"AdamW exp_avg + exp_avg_sq ({what})", _gib(2 * adapter))]
-    if t.beta > 0 and not m.lora:
-        actor.append(Item(f"frozen reference copy (train.beta={t.beta:g})", out["transformer"][0].gib))
-    if t.ema_decay > 0:
-        actor.append(Item(f"EMA weights (train.ema_decay={t.ema_decay:g})", _gib(adapter)))
-    rollout = []
-    if cfg.engine.schedule == "stream" and not (cfg.engine.hybrid or cfg.engine.kind == "local"):
-        rollout.append(Item("staged weights (engine.schedule=stream)", _gib(adapter)))
-    return {**out, "actor": actor, "rollout": rollout}
-
-
-def _programs(cfg: Config, modules: dict, s: phases.Shapes, trained: list, opt) -> dict:
-    """Per role kind: (name, knob, program(b) or a fixed program, checkpointing) for each phase."""
-    smp = cfg.sampling
-    tr = modules["transformer"]
-    ckpt = cfg.model.gradient_checkpointing
-    recorded = smp.sde_window_size if smp.sde_window_size > 0 else smp.num_steps - 1
-    out = {"actor": [(f"training fwd+bwd, gradient checkpointing {'on' if c else 'off'}", TRAIN,
-                      lambda b: phases.train_step(tr, b, s, cfg), c) for c in (ckpt, not ckpt)]}
-    if opt is not None:
-        scaled = s.dtype == torch.float16 and cfg.train.fp16_loss_scale > 0 and cfg.model.lora
-        step = phases.optimizer_step(opt, trained, cfg, scaled)
-        out["actor"].append(("clip + AdamW step (foreach)", None, step, None))
-    if "vae" in modules:
-        guide = "CFG, " if smp.guidance_scale > 1 else ""
-        roll = [("text encoders (CLIP-L, CLIP-G, T5)", SAMPLE,
-                 lambda b: phases.text_encode([modules[f"text_encoder{x}"] for x in ("", "_2", "_3")], b, s), None),
-                (f"denoising forward ({guide}no grad)", SAMPLE,
-                 lambda b: phases.denoise_step(tr, b, s, cfg, smp.guidance_scale, recorded), None),
-                ("VAE decode (fp32)", SAMPLE, lambda b: phases.vae_decode(modules["vae"], b, s), None)]
-        if smp.eval_guidance_scale > 1 >= smp.guidance_scale and cfg.validation.every != -1:
-            roll.insert(2, ("validation denoising (CFG, no grad)", SAMPLE,
-                            lambda b: phases.denoise_step(tr, b, s, cfg, smp.eval_guidance_scale, 0), None))
-        out["rollout"] = roll
-    return out
-
-
 class _Measurer:
-    """Counts each phase at the configured micro-batch and at one other (1, or 2 when configured 1)."""
+    """Counts each phase at the configured micro-batch b and at 2b. Not at 1: a tensor of a few bytes per sample is
+    rounded up to a 512-byte block there, which tilts the line (the tiny model's largest train micro-batch on a 24 GB
+    card came out 0.4 % too large from 8 and 1)."""
 
     def __init__(self, cfg: Config, mode, transformer):
         self.cfg, self.mode, self.tr = cfg, mode, transformer
@@ -317,11 +243,11 @@ class _Measurer:
         for name, knob, prog, ckpt in programs:
             in_peak = ckpt is None or ckpt == self.cfg.model.gradient_checkpointing
             if knob is None:
-                out.append(Phase(name, None, 0, _gib(self.count(prog, ckpt)), 0.0, in_peak, ckpt))
+                out.append(Phase(name, None, 0, self.count(prog, ckpt) / GIB, 0.0, in_peak, ckpt))
                 continue
             b = self.cfg.train.micro_batch_size if knob == TRAIN else self.cfg.sampling.micro_batch_size
-            other = 1 if b > 1 else 2
-            p_b, p_o = (_gib(self.count(prog(x), ckpt)) for x in (b, other))
+            other = 2 * b
+            p_b, p_o = (self.count(prog(x), ckpt) / GIB for x in (b, other))
             slope = (p_b - p_o) / (b - other)
             out.append(Phase(name, knob, b, p_b - slope * b, slope, in_peak, ckpt))
         return out
@@ -344,11 +270,19 @@ def _placement(cfg: Config, roles: list[str]) -> str:
     return f"engine.kind=ray, decoupled: {g.actor_workers} actor device(s) + {g.rollout_workers} rollout device(s)"
 
 
-def _notes(cfg: Config) -> list[str]:
+def _notes(cfg: Config, roles: list[str], state: State) -> list[str]:
     g, m = cfg.engine, cfg.model
+    backup = sum(p.numel() * p.element_size() for p in state.trained) / GIB
     notes = [f"fits = peak × {1 + FRAGMENTATION:g} + {RESERVE_GIB:g} GiB ≤ the card's capacity: the reserve is the "
              "CUDA context and cuBLAS/NCCL workspaces, the 5 % the caching allocator's fragmentation (neither is "
              "counted)"]
+    for r in roles:
+        for when in work.swaps(cfg, r).values():
+            notes.append(f"{r}: a backup of the trained tensors ({backup:.3g} GiB) is held during {when}; the phases "
+                         "that say 'swapped' count it")
+    if cfg.algo.name != "flow_grpo" and {"rollout", "hybrid"} & set(roles):
+        notes.append(f"algo.name={cfg.algo.name}: the rollout samples an ODE and records no SDE step, only the clean "
+                     "final latents")
     if g.kind == "ray" and not g.hybrid and g.gpus_per_worker < 1:
         notes.append(f"engine.gpus_per_worker={g.gpus_per_worker:g}: hosts share a card, so their peaks add up")
     if g.kind == "ray" and g.actor_workers > 1:

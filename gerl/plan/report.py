@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from gerl.plan.planner import MemoryPlan, RolePlan
 
-W = 62  # width of the name column
+W = 74  # width of the name column
 
 
 def _short(knob: str) -> str:
@@ -26,7 +26,7 @@ def format_role(r: RolePlan, checkpointing: bool, unit: str = "GiB") -> list[str
         at = f"{p.knob.split('.')[0]} mb {p.batch}" if p.knob else ""
         tail = f"  (+{p.per_sample_gib * k:.3f}/sample)" if p.knob else ""
         tail += "" if p.in_peak else "  not this config's"
-        lines.append(f"  {mark} {p.name}".ljust(W - 12) + f"{at:>12}" + f"{p.gib * k:9.2f}" + tail)
+        lines.append(f"  {mark} {p.name}".ljust(W - 15) + f"{at:>15}" + f"{p.gib * k:9.2f}" + tail)
     lines.append(f"  peak = resident + {top.name if top else 'nothing'}".ljust(W) + f"{r.peak_gib * k:9.2f}")
     if any(p.checkpointing is not None for p in r.phases):
         other = not checkpointing
@@ -43,10 +43,15 @@ def format_role(r: RolePlan, checkpointing: bool, unit: str = "GiB") -> list[str
 
 def format_plan(plan: MemoryPlan) -> str:
     """The plan as text: a header, then per role its resident lines, phases, peak and card verdicts."""
-    c, h, w = plan.latent
     out = [f"gerl plan: {plan.model} ({plan.source})",
-           f"  {plan.dtype}, {plan.resolution} px → latent {c}×{h}×{w}, text {plan.clip_tokens} CLIP + "
-           f"{plan.t5_tokens} T5 tokens; {plan.placement}", ""]
+           f"  {plan.dtype}, {plan.resolution} px → latent {'×'.join(map(str, plan.latent))}, {plan.inputs}; "
+           f"{plan.placement}"]
+    if plan.training_forwards:
+        old = {None: "", True: " (awm: the policy moves within an update, so old log-probs need their own forward)",
+               False: " (awm: one optimizer step per update, so the training forward gives the old log-probs)"}
+        out.append(f"  algo.name={plan.algo}: transformer forwards per trained point: "
+                   f"{' + '.join(plan.training_forwards)}{old[plan.awm_old_forward]}")
+    out.append("")
     unit = "GiB" if max(r.peak_gib for r in plan.roles) >= 1 else "MiB"
     for r in plan.roles:
         out += format_role(r, plan.gradient_checkpointing, unit) + [""]

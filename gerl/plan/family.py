@@ -1,0 +1,78 @@
+"""The one architecture-specific part of `gerl plan`: what the planner asks of a model family.
+
+The phases (gerl/plan/phases.py) and what each algorithm holds and runs (gerl/plan/work.py) are written against
+`PlanFamily` alone: which weighted parts a role loads and how each is built on the meta device, the latent a
+resolution gives, what a micro-batch carries to the device, the velocity forward, the text encoders' forward and
+the VAE decode. A family plugs in by implementing it and registering a builder in FAMILIES under its transformer's
+class name (as diffusers' configs spell it in `_class_name`); SD3 / SD3.5 is gerl/plan/sd3.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol
+
+import torch
+
+from gerl.config import ModelConfig
+from gerl.errors import UserError
+from gerl.plan.arch import Architecture, architecture
+
+
+class PlanFamily(Protocol):
+    source: str  # where the architecture came from, in words
+
+    def components(self, role: str) -> tuple[str, ...]:
+        """The weighted parts a host of `role` ("actor" | "rollout") loads."""
+
+    def label(self, component: str) -> str:
+        """A part's name in the table ("T5 encoder")."""
+
+    def build(self, component: str, dtype: torch.dtype) -> torch.nn.Module:
+        """`component` on the meta device in the dtype the loader gives it when the model runs in `dtype`."""
+
+    def latent(self, resolution: int, transformer: torch.nn.Module) -> tuple[int, ...]:
+        """One sample's latent shape (fp32), or a UserError naming a resolution the model cannot take."""
+
+    def describe(self) -> str:
+        """The conditioning in words, for the header ("text 77 CLIP + 256 T5 tokens")."""
+
+    def conditioning(self, b: int, guided: bool, dtype: torch.dtype) -> Any:
+        """What a micro-batch of b samples carries to the device besides its latents (cached text embeddings; the
+        negative ones too when `guided`), as the workers hold it."""
+
+    def velocity(self, transformer, x: torch.Tensor, t: torch.Tensor, cond: Any, guidance: float) -> torch.Tensor:
+        """The velocity (b, *latent) fp32 at x for timesteps t (b,), as the workers compute it (CFG included)."""
+
+    def encode_text(self, encoders: dict[str, torch.nn.Module], b: int) -> None:
+        """The text encoders' forward on b prompts (no grad), as the rollout runs it."""
+
+    def decode(self, vae: torch.nn.Module, latents: torch.Tensor) -> None:
+        """The VAE decode of latents (b, *latent) to uint8 images (no grad), as the rollout runs it."""
+
+
+def _sd3(arch: Architecture, model: ModelConfig) -> PlanFamily:
+    from gerl.plan.sd3 import SD3Plan
+
+    return SD3Plan(arch, model.max_sequence_length)
+
+
+# transformer class name → builder of its family from the configs and the model's settings
+FAMILIES: dict[str, Callable[[Architecture, ModelConfig], PlanFamily]] = {"SD3Transformer2DModel": _sd3}
+
+
+def transformer_class(arch: Architecture) -> str:
+    if arch.classes is not None:
+        return arch.classes["transformer"].__name__
+    cfg = arch.configs.get("transformer")
+    return str(cfg.get("_class_name", "")) if isinstance(cfg, dict) else ""
+
+
+def family_for(model: ModelConfig) -> PlanFamily:
+    """The plan family of model.path (its configs read as gerl/plan/arch.py says); a UserError names an
+    architecture no family counts yet."""
+    arch = architecture(model.path, model.tiny_seed)
+    name = transformer_class(arch)
+    if name not in FAMILIES:
+        raise UserError(f"model.path {model.path}: `gerl plan` counts {', '.join(FAMILIES)} transformers; this one "
+                        f"is {name or 'unnamed'} ({arch.source})")
+    return FAMILIES[name](arch, model)

@@ -1,0 +1,207 @@
+"""What each role holds and runs, by algorithm: the resident lines and the phases of `gerl plan`.
+
+Resident (counted from shapes): the model's parts, the adapter, and the training state the actor keeps between
+micro-batches — gradients, AdamW state, the frozen reference (full fine-tuning), the EMA, and for nft/awm the
+anchor θ_old (gerl.workers.actor: a slow copy of the trained tensors, kept by both whatever algo.anchor_beta).
+
+Phases (counted by running them, gerl/plan/phases.py), per algorithm, as gerl/workers/actor.py and
+gerl/workers/matching.py run them at train.micro_batch_size:
+- flow_grpo replays recorded SDE steps: the policy forward with grad (+ the reference's under no_grad while the
+  graph is held, train.beta > 0), backward; a no-grad replay first with train.recompute_old_log_probs.
+- nft, per micro-batch: the anchor's velocity under no_grad with the trained tensors swapped out (a backup copy of
+  them alive meanwhile, `swapped_in`), then the policy forward with grad, the reference's, backward.
+- awm: the same, the anchor forward only with algo.anchor_beta > 0; an old-log-prob forward under no_grad only
+  where the policy has moved before a point is trained (`awm_old_forward`).
+The rollout of nft/awm samples a plain ODE and records nothing but the clean final latents; Flow-GRPO's holds the
+recorded steps' latents on the device until the micro-batch ends. A hybrid host generates nft's batches with the
+anchor swapped into the shared transformer (the backup alive through text encoding, denoising and decoding), and a
+local run validates the EMA the same way.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from gerl.config import Config
+from gerl.models.loader import DTYPES
+from gerl.plan import phases
+from gerl.plan.count import tensor_bytes
+
+GIB = 2**30
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+TRAIN = "train.micro_batch_size"
+SAMPLE = "sampling.micro_batch_size"
+
+
+@dataclass
+class Item:
+    name: str  # what is resident, e.g. "transformer weights (fp16)"
+    gib: float
+    detail: str = ""  # sizes in words
+
+
+@dataclass
+class State:
+    """The fake tensors the phases swap in and step: the trained parameters, the anchor (nft/awm), the EMA
+    shadow, the optimizer (None without an actor)."""
+    trained: list
+    anchor: list | None
+    shadow: list | None
+    optimizer: torch.optim.Optimizer | None
+
+
+def _gib(n: int) -> float:
+    return n / GIB
+
+
+def _count(n: int) -> str:
+    scales = ((1e9, "B", 2), (1e6, "M", 1), (1e3, "k", 1), (1, "", 0))
+    return next(f"{n / d:.{p}f} {u}" for d, u, p in scales if n >= d or d == 1)
+
+
+def optimizer_steps_per_update(cfg: Config) -> int:
+    """Optimizer steps one actor rank takes per update: inner epochs × its mini-batches (ActorWorker.mini)."""
+    images = cfg.data.prompts_per_step * cfg.data.group_size
+    world = 1 if cfg.engine.kind == "local" else cfg.engine.actor_workers
+    mini = (cfg.train.mini_batch_size or images) // world
+    return cfg.train.inner_epochs * math.ceil(images // world / mini)
+
+
+def awm_old_forward(cfg: Config) -> bool:
+    """Whether AWM runs a no-grad old-log-prob forward: only where the policy has moved before a point is trained,
+    i.e. when an update takes more than one optimizer step. With one (the AWM recipe: one step per epoch) the ratio's
+    denominator is the training forward's own detached log-prob and no extra forward runs."""
+    return cfg.algo.name == "awm" and optimizer_steps_per_update(cfg) > 1
+
+
+def anchor_forward_in_training(cfg: Config) -> bool:
+    """nft regresses against the anchor's velocity; awm computes it for its anchor penalty only."""
+    return cfg.algo.name == "nft" or (cfg.algo.name == "awm" and cfg.algo.anchor_beta > 0)
+
+
+def recorded_steps(cfg: Config) -> int:
+    """SDE steps the rollout records per sample: Flow-GRPO's window (or every step but the last); none for
+    nft/awm, which learn from the clean final latents."""
+    s = cfg.sampling
+    if cfg.algo.name != "flow_grpo":
+        return 0
+    return s.sde_window_size if s.sde_window_size > 0 else s.num_steps - 1
+
+
+def training_forwards(cfg: Config, old_forward: bool) -> list[str]:
+    """The transformer forwards per trained point, in order."""
+    a, t = cfg.algo, cfg.train
+    out = []
+    if a.name == "flow_grpo" and t.recompute_old_log_probs or a.name == "awm" and old_forward:
+        out.append("old log-prob (no grad)")
+    if anchor_forward_in_training(cfg):
+        out.append("anchor (no grad, swapped in)")
+    out.append("policy (grad)")
+    if t.beta > 0:
+        out.append("reference (no grad)")
+    return out
+
+
+def resident_items(cfg: Config, fam, modules: dict, trained: list) -> dict[str, list[Item]]:
+    """Resident lines by owner: each component's weights (the transformer's with its LoRA adapter), and the
+    training state ("actor") and staging buffer ("rollout") of the roles."""
+    m, t, a = cfg.model, cfg.train, cfg.algo
+    out = {}
+    for c, mod in modules.items():
+        frozen = [x for x in mod.parameters() if not (m.lora and x.requires_grad)] + list(mod.buffers())
+        dt = DTYPE_NAMES.get(next(mod.parameters()).dtype, "?")
+        vals = sum(x.numel() for x in {id(x): x for x in frozen}.values())
+        out[c] = [Item(f"{fam.label(c)} weights ({dt})", _gib(tensor_bytes(frozen)), f"{_count(vals)} values")]
+    adapter = tensor_bytes(trained)
+    if m.lora:
+        n = sum(p.numel() for p in trained)
+        out["transformer"].append(Item(f"LoRA adapter r{m.lora_rank} (fp32)", _gib(adapter), f"{_count(n)} params"))
+    what = "fp32 LoRA" if m.lora else DTYPE_NAMES[trained[0].dtype] + ", full fine-tuning"
+    actor = [Item(f"gradients ({what})", _gib(adapter)),
+             Item(f"AdamW exp_avg + exp_avg_sq ({what})", _gib(2 * adapter))]
+    if t.beta > 0 and not m.lora:
+        actor.append(Item(f"frozen reference copy (train.beta={t.beta:g})", out["transformer"][0].gib))
+    if t.ema_decay > 0:
+        actor.append(Item(f"EMA weights (train.ema_decay={t.ema_decay:g})", _gib(adapter)))
+    if a.name != "flow_grpo":
+        actor.append(Item(f"anchor θ_old (algo.name={a.name})", _gib(adapter)))
+    rollout = []
+    if cfg.engine.schedule == "stream" and not (cfg.engine.hybrid or cfg.engine.kind == "local"):
+        rollout.append(Item("staged weights (engine.schedule=stream)", _gib(adapter)))
+    return {**out, "actor": actor, "rollout": rollout}
+
+
+def swaps(cfg: Config, role: str) -> dict[str, str]:
+    """When a host of `role` holds a backup of the trained tensors (gerl.workers.actor.swapped_in), in words."""
+    out = {}
+    if anchor_forward_in_training(cfg) and role in ("actor", "hybrid"):
+        out["training"] = "the anchor forward of each training micro-batch"
+    if cfg.algo.name == "nft" and role == "hybrid":
+        out["generation"] = "generation (nft samples with the anchor, swapped into the shared transformer)"
+    if cfg.train.ema_decay > 0 and role == "hybrid" and cfg.engine.kind == "local" and cfg.validation.every != -1:
+        out["validation"] = "validation (the EMA swapped in)"
+    return out
+
+
+def role_phases(role: str, cfg: Config, modules: dict, w: phases.Work, st: State, old_forward: bool) -> list:
+    """(name, knob, program(b) — or a fixed program when knob is None —, checkpointing) of each phase of a host of
+    `role`: the actor's, the rollout's, or both (hybrid)."""
+    out = []
+    if role in ("actor", "hybrid"):
+        out += _actor_phases(cfg, modules["transformer"], w, st, old_forward)
+    if role in ("rollout", "hybrid"):
+        out += _rollout_phases(cfg, role, modules, w, st)
+    return out
+
+
+def _actor_phases(cfg: Config, tr, w: phases.Work, st: State, old_forward: bool) -> list:
+    a, t, ckpt = cfg.algo, cfg.train, cfg.model.gradient_checkpointing
+    out = []
+    if a.name == "flow_grpo" and t.recompute_old_log_probs:
+        out.append(("old log-prob recompute (no grad)", TRAIN, lambda b: phases.flow_grpo_recompute(tr, b, w), None))
+    if a.name == "awm" and old_forward:
+        out.append(("awm old log-prob forward (no grad)", TRAIN, lambda b: phases.awm_old_forward(tr, b, w), None))
+    if anchor_forward_in_training(cfg):
+        out.append(("anchor forward (no grad, swapped in: backup held)", TRAIN,
+                    lambda b: phases.anchor_forward(tr, b, w, (st.trained, st.anchor)), None))
+    train = phases.flow_grpo_train if a.name == "flow_grpo" else phases.matching_train
+    out += [(f"training fwd+bwd, gradient checkpointing {'on' if c else 'off'}", TRAIN,
+             lambda b: train(tr, b, w), c) for c in (ckpt, not ckpt)]
+    scaled = w.dtype == torch.float16 and t.fp16_loss_scale > 0 and cfg.model.lora
+    step = phases.optimizer_step(st.optimizer, st.trained, cfg, scaled)
+    out.append(("clip + AdamW step (foreach)", None, step, None))
+    return out
+
+
+def _rollout_phases(cfg: Config, role: str, modules: dict, w: phases.Work, st: State) -> list:
+    smp, where = cfg.sampling, swaps(cfg, role)
+    tr, vae = modules["transformer"], modules["vae"]
+    encoders = {c: m for c, m in modules.items() if c not in ("transformer", "vae")}
+    gen = (st.trained, st.anchor) if "generation" in where else None
+    val = (st.trained, st.shadow) if "validation" in where else None
+    held = ", anchor swapped in" if gen else ""
+    guide = "CFG, " if smp.guidance_scale > 1 else ""
+    recorded = recorded_steps(cfg)
+    out = [(f"text encoders{' (anchor swapped in)' if gen else ''}", SAMPLE,
+            lambda b: phases.text_encode(encoders, b, w, gen), None),
+           (f"denoising forward ({guide}no grad{held})", SAMPLE,
+            lambda b: phases.denoise_step(tr, b, w, smp.guidance_scale, recorded, gen), None),
+           (f"VAE decode (fp32{held})", SAMPLE,
+            lambda b: phases.vae_decode(vae, b, w, smp.guidance_scale, recorded, gen), None)]
+    if cfg.validation.every == -1:
+        return out
+    eval_cfg = smp.eval_guidance_scale > 1 >= smp.guidance_scale
+    if val or eval_cfg:  # otherwise validation runs what generation runs, without its recorded steps
+        ema = ", EMA swapped in" if val else ""
+        guide = "CFG, " if smp.eval_guidance_scale > 1 else ""
+        out.append((f"validation denoising forward ({guide}no grad{ema})", SAMPLE,
+                    lambda b: phases.denoise_step(tr, b, w, smp.eval_guidance_scale, 0, val), None))
+    if val:
+        out += [("validation text encoders (EMA swapped in)", SAMPLE,
+                 lambda b: phases.text_encode(encoders, b, w, val), None),
+                ("validation VAE decode (fp32, EMA swapped in)", SAMPLE,
+                 lambda b: phases.vae_decode(vae, b, w, smp.eval_guidance_scale, 0, val), None)]
+    return out
