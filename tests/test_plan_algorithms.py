@@ -193,7 +193,7 @@ def test_the_anchor_forward_holds_a_backup_of_the_trained_tensors(model_dir):
     worker = ActorWorker(tf, cfg.train, cfg.model, cfg.sampling, max_steps=1, images_per_step=B, seed=0,
                          conventions=cfg.conventions, algo=cfg.algo)
     batch = _batch(cfg)
-    plan_idx, noise = training_points(worker, batch, 0)
+    plan_idx, noise = training_points(worker, batch, 0, 0)
     idx = torch.tensor([0])
 
     def run():
