@@ -343,7 +343,8 @@ def fp16(ctx: Ctx) -> None:
 
 # Not in the first device call: its ≈ 30 s do not fit that call's 5 minutes (docs/benchmarks.md, "gpu_day").
 @phase("flux_rollout", cap_s=90, rehearse_cap_s=60, h100_estimate_s=30, first_call=False,
-       what="FLUX.1-dev architecture, bf16: images/s of our rollout vs stock FluxPipeline.__call__ at 512 and 1024 px")
+       what="FLUX.1-dev architecture, bf16: images/s of our rollout vs stock FluxPipeline.__call__ at 512 and 1024 px",
+       missing_hint="the second call runs on the first call's .site/: make it at once, while the machine is warm")
 def flux_rollout(ctx: Ctx) -> None:
     from _gpu_day_flux import flux_rollout as measure
 
