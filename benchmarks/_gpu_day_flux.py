@@ -37,7 +37,8 @@ def configs(rehearse: bool) -> dict[str, dict]:
         return {c: arch.load_config("flux.1-dev", c) for c in ("transformer", "vae", "scheduler")}
     from gerl.models.tiny import FLUX_SCHEDULERS, FLUX_TRANSFORMER_KWARGS, FLUX_VAE_KWARGS
 
-    return {"transformer": {"_class_name": "FluxTransformer2DModel", **FLUX_TRANSFORMER_KWARGS, "guidance_embeds": True},
+    transformer = {"_class_name": "FluxTransformer2DModel", **FLUX_TRANSFORMER_KWARGS, "guidance_embeds": True}
+    return {"transformer": transformer,
             "vae": {"_class_name": "AutoencoderKL", **FLUX_VAE_KWARGS},
             "scheduler": {"_class_name": "FlowMatchEulerDiscreteScheduler", **FLUX_SCHEDULERS["dev"]}}
 
@@ -144,7 +145,8 @@ def flux_rollout(ctx) -> None:
         tflop = forward_tflop(pipe.transformer, latent, mode["text_tokens"])
         forwards = mb * sampling.num_steps
         n["rows"].append({
-            "resolution": res, "micro_batch": mb, "steps": sampling.num_steps, "image_tokens": latent[1] * latent[2] // 4,
+            "resolution": res, "micro_batch": mb, "steps": sampling.num_steps,
+            "image_tokens": latent[1] * latent[2] // 4,
             **{k: got[k] for k in ("ours_images_per_s", "stock_images_per_s", "ratio", "ours_s", "stock_s")},
             "tflop_per_image_forward": tflop, "ours_tflops": forwards * tflop / got["ours_s"],
             "stock_tflops": forwards * tflop / got["stock_s"], **wall,

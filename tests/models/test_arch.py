@@ -22,8 +22,8 @@ FLUX_DEV = {
     "text_encoder_2": 4_762_310_656,  # T5 v1.1 XXL encoder, 4.76 B (SD3.5's text_encoder_3, the same count)
 }
 GUIDANCE_EMBEDDER = 256 * 3072 + 3072 + 3072 * 3072 + 3072  # dev's guidance MLP: sinusoid 256 → 3072 → 3072
-FILES = ("model_index.json", "scheduler/scheduler_config.json", "text_encoder/config.json", "text_encoder_2/config.json",
-         "transformer/config.json", "vae/config.json")
+FILES = ("model_index.json", "scheduler/scheduler_config.json", "text_encoder/config.json",
+         "text_encoder_2/config.json", "transformer/config.json", "vae/config.json")
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +97,8 @@ def _tiny_configs():
               vocab_size=100)
     clip = dict(arch.load_config("flux.1-dev", "text_encoder"), hidden_size=32, intermediate_size=64,
                 num_hidden_layers=1, num_attention_heads=2)
-    return {"transformer": {"_class_name": "FluxTransformer2DModel", **FLUX_TRANSFORMER_KWARGS, "guidance_embeds": True},
+    transformer = {"_class_name": "FluxTransformer2DModel", **FLUX_TRANSFORMER_KWARGS, "guidance_embeds": True}
+    return {"transformer": transformer,
             "vae": {"_class_name": "AutoencoderKL", **FLUX_VAE_KWARGS}, "text_encoder": clip, "text_encoder_2": t5}
 
 
