@@ -13,7 +13,10 @@ run: gerl's embedding cache). Both sides run the one transformer module, so the 
 default processor, torch SDPA). Per resolution: one warm-up of each side on the same shapes with 2 denoising steps
 (kernel choice and the allocator's pool are per shape, not per step count), then one timed run of each,
 CUDA-synchronised (bench_gpu.compare_stock). FLOPs per image-forward are counted by torch's FlopCounterMode on the
-meta device (matmuls and attention of this very module at this shape).
+meta device (matmuls and attention of this very module at this shape); `ours_tflops` / `stock_tflops` are the
+transformer's FLOPs over each side's whole time (VAE decode and PIL conversion included), comparable with the env
+phase's matmul TFLOP/s. `ours_latents_finite` says whether the random bf16 model stayed finite (a speed number
+either way).
 """
 
 from __future__ import annotations
