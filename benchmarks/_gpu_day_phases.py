@@ -2,10 +2,12 @@
 
 A phase fills `ctx.numbers` (JSON-able) and calls `ctx.save()` after each part it has measured, so a timeout
 keeps those parts; it raises PhaseFailed when a check fails (its numbers stand) and any other exception on an
-error. On a GPU: SD3.5-Medium's architecture with random weights (gerl.models.sd35_arch), 512 px, bf16 unless said.
-With --rehearse: the tiny SD3 on CPU at 64 px (fp32 unless said), the same code path.
+error. On a GPU: SD3.5-Medium's architecture with random weights (gerl.models.sd35_arch), 512 px, bf16 unless said
+(flux_rollout: FLUX.1-dev's, benchmarks/_gpu_day_flux.py). With --rehearse: the tiny SD3 (tiny-flux) on CPU at
+64 px (fp32 unless said), the same code path.
 
 To add a phase, decorate one function here with @phase(...); its place in this file is its place in the run.
+A phase with first_call=False runs on a GPU only when --phases names it (the rehearsal runs every phase).
 The measuring code is benchmarks/bench_gpu.py's and bench_gpu_launchers.py's, called, not copied.
 """
 
@@ -35,15 +37,16 @@ class Phase:
     what: str  # one line for the log
     needs: tuple[str, ...] = ("torch", "diffusers")  # modules without which the phase is skipped, not failed
     missing_hint: str = ""
+    first_call: bool = True  # False: on a GPU it runs only when --phases names it (the second device call)
 
 
 PHASES: dict[str, Phase] = {}
 
 
 def phase(name: str, *, cap_s: int, rehearse_cap_s: int, h100_estimate_s: int, what: str,
-          needs: tuple[str, ...] = ("torch", "diffusers"), missing_hint: str = ""):
+          needs: tuple[str, ...] = ("torch", "diffusers"), missing_hint: str = "", first_call: bool = True):
     def register(fn):
-        PHASES[name] = Phase(name, fn, cap_s, rehearse_cap_s, h100_estimate_s, what, needs, missing_hint)
+        PHASES[name] = Phase(name, fn, cap_s, rehearse_cap_s, h100_estimate_s, what, needs, missing_hint, first_call)
         return fn
     return register
 
@@ -336,6 +339,16 @@ def fp16(ctx: Ctx) -> None:
         raise PhaseFailed(f"fp16 ratio check: finite {g['finite']}, max |ratio - 1| {devs}")
     if not g["cosine"] >= g["bar"]:
         raise PhaseFailed(f"fp16 LoRA gradient cosine to fp32 {g['cosine']:.5f} < {g['bar']}")
+
+
+# Not in the first device call: its ≈ 30 s do not fit that call's 5 minutes (docs/benchmarks.md, "gpu_day").
+@phase("flux_rollout", cap_s=90, rehearse_cap_s=60, h100_estimate_s=30, first_call=False,
+       what="FLUX.1-dev architecture, bf16: images/s of our rollout vs stock FluxPipeline.__call__ at 512 and 1024 px",
+       missing_hint="the second call runs on the first call's .site/: make it at once, while the machine is warm")
+def flux_rollout(ctx: Ctx) -> None:
+    from _gpu_day_flux import flux_rollout as measure
+
+    measure(ctx)
 
 
 @phase("launcher", cap_s=180, rehearse_cap_s=200, h100_estimate_s=75, needs=("torch", "diffusers", "rapidocr", "ray"),

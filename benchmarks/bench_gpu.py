@@ -103,6 +103,7 @@ from gerl.logging.memory import StagePeaks, module_gib, optimizer_state_gib  # n
 from gerl.logging.throughput import (  # noqa: E402
     flow_grpo_step_flops, mfu, peak_memory_gib, peak_tflops_for, text_seq_len,
 )
+from gerl.models.family import family_of  # noqa: E402
 from gerl.models.loader import add_lora  # noqa: E402
 from gerl.models.sd35_arch import RandomTokenEmbedder, build_component, load_config  # noqa: E402
 from gerl.numerics import Fp16GemmEmulation, perturb_fresh_lora, replay_check  # noqa: E402
@@ -296,7 +297,7 @@ def our_rollout(ctx, embeds: list[Embeds], step: int, images_too: bool = True) -
         traj = denoise(ctx.pipe.transformer, emb, noise.to(dev), ctx.schedule, window, s.sampler, s.noise_level,
                        s.guidance_scale, gens)
         trajs.append(traj)
-        images += decode(ctx.pipe.vae, traj.final_latents) if images_too else []
+        images += decode(ctx.pipe.vae, traj.final_latents, family_of(ctx.pipe)) if images_too else []
     return trajs, images
 
 
@@ -336,10 +337,14 @@ def step_embeds(ctx, step: int) -> list[Embeds]:
             for sl in micro_batches(ctx.images, ctx.sampling.micro_batch_size)]
 
 
-def compare_stock(ctx, embeds: list[Embeds], reps: int, warmup: int = 1) -> tuple[dict, list[Trajectory]]:
+def compare_stock(ctx, embeds: list[Embeds], reps: int, warmup: int = 1, stock=None,
+                  run_stock=None) -> tuple[dict, list[Trajectory]]:
     """Images/s of our rollout and of the stock pipeline on step 0's `embeds`, alternating (ours then stock) over
-    warm-up + `reps` repetitions; medians of the timed ones. Also returns our last rollout's trajectories."""
-    stock = stock_pipeline(ctx.pipe)
+    warm-up + `reps` repetitions; medians of the timed ones. Also returns our last rollout's trajectories.
+    `stock` and `run_stock(ctx, stock, embeds, step)` default to StableDiffusion3Pipeline's (another family's
+    benchmark passes its own pipeline and call: benchmarks/_gpu_day_flux.py)."""
+    stock = stock if stock is not None else stock_pipeline(ctx.pipe)
+    run_stock = run_stock or stock_rollout
     ours_s, stock_s = [], []
     for r in range(warmup + reps):
         t0 = sync(ctx.device)
@@ -347,7 +352,7 @@ def compare_stock(ctx, embeds: list[Embeds], reps: int, warmup: int = 1) -> tupl
             trajs, images = our_rollout(ctx, embeds, 0)
             t1 = sync(ctx.device)
         with ctx.peaks.stage("stock"):
-            stock_images = stock_rollout(ctx, stock, embeds, 0)
+            stock_images = run_stock(ctx, stock, embeds, 0)
             t2 = sync(ctx.device)
         assert len(images) == len(stock_images) == ctx.images
         if r >= warmup:

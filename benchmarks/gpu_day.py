@@ -7,7 +7,8 @@ after each.
     python -m benchmarks gpu_day --out DIR --phases env,smoke --fail env    # a chosen subset; one made to fail
 
 Phases run in the order of benchmarks/_gpu_day_phases.py's registry (the order of value: env, smoke, rollout,
-train, step, fp16, launcher), each in a child process of its own, in a process group of its own, under its own time
+train, step, fp16, flux_rollout, launcher; on a GPU flux_rollout runs only when --phases names it: it is the second
+device call's), each in a child process of its own, in a process group of its own, under its own time
 cap (cut to what is left of --deadline-s) and exception guard: a phase that fails, raises or runs past its cap is
 recorded as such (its process group and every process it started killed, benchmarks/_procgroup.py) and the next
 phase runs. After every phase DIR/gpu_day.json is rewritten:
@@ -57,14 +58,18 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, str | None]:
                                  allow_abbrev=False)
     ap.add_argument("--out", type=Path, required=True, help="folder for gpu_day.json and gpu_day.log (e.g. \"$OUT\")")
     ap.add_argument("--rehearse", action="store_true", help="every phase on CPU at tiny / ocr-mini shapes")
-    ap.add_argument("--phases", default=None, help=f"comma-separated subset of: {','.join(PHASES)} (run in that order)")
+    ap.add_argument("--phases", default=None, help=f"comma-separated subset of: {','.join(PHASES)} (run in that order; "
+                    f"default on a GPU: all but {','.join(n for n, p in PHASES.items() if not p.first_call)})")
     ap.add_argument("--fail", default=None, metavar="PHASE", help="make this phase raise at its start (tests the guard)")
     ap.add_argument("--deadline-s", type=float, default=None,
                     help="the whole run's budget in seconds (default 540 on a GPU: the device call's 600 less the "
                          "install; 290 with --rehearse); each phase's cap is cut to what is left")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: run one phase in this process
     args = ap.parse_args(argv)
-    names = list(PHASES) if args.phases is None else [n.strip() for n in args.phases.split(",") if n.strip()]
+    if args.phases is None:  # on a GPU the first device call's phases; the rehearsal runs every phase
+        names = [n for n, p in PHASES.items() if p.first_call or args.rehearse]
+    else:
+        names = [n.strip() for n in args.phases.split(",") if n.strip()]
     unknown = [n for n in names + ([args.fail] if args.fail else []) if n not in PHASES]
     if unknown:
         return args, f"unknown phase {unknown[0]!r}; choose from {', '.join(PHASES)}"

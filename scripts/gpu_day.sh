@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU day in one command, run from the checkout root on a lent GPU machine (docs/offline_install.md has the
 # exact device call):
-#   bash scripts/gpu_day.sh "$OUT"                      # install the carried bundle, then every phase
-#   bash scripts/gpu_day.sh "$OUT" --phases launcher    # a second call (carrying .whl/ray): the launcher alone
+#   bash scripts/gpu_day.sh "$OUT"                      # install the carried bundle, then the first call's phases
+#   bash scripts/gpu_day.sh "$OUT" --phases flux_rollout,launcher --deadline-s 270   # the second call (.whl/ray)
 # Installs the bundle(s) the call carried (scripts/gpu_env.sh: .whl/gpu, .whl/ray into .site/), then runs
 # `python -m benchmarks gpu_day --out OUT_DIR [args...]`, which writes OUT_DIR/gpu_day.json after every phase and
 # appends OUT_DIR/gpu_day.log. A failed install is logged and the run goes on: phases whose packages are missing

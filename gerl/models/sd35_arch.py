@@ -1,9 +1,9 @@
 """Stable Diffusion 3.5 Medium's architecture with random weights, built from the configs in the repository.
 
 The configs under assets/configs/sd3.5-medium/ are the published ones (see its README.md); no weights are
-downloaded or shipped. Each config names its own class (`_class_name` for diffusers, `architectures` for
-transformers), so this module holds no sizes. diffusers is imported only for the transformer and the VAE: the text
-encoders build on a machine that has transformers alone.
+downloaded or shipped. The building is gerl.models.arch's (any shipped model); this module keeps SD3.5-M's names and
+what runs its three text encoders on token ids. diffusers is imported only for the transformer and the VAE: the
+text encoders build on a machine that has transformers alone.
 
     modules = build_sd35_medium(device="cuda", dtype=torch.bfloat16)   # five nn.Modules, random weights
     with torch.device("meta"):                                          # sizes only, nothing allocated
@@ -12,16 +12,14 @@ encoders build on a machine that has transformers alone.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import zlib
-from pathlib import Path
 
 import torch
 
 from gerl.errors import UserError
+from gerl.models import arch
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "assets" / "configs" / "sd3.5-medium"
+CONFIG_DIR = arch.CONFIGS / "sd3.5-medium"
 DIFFUSERS_COMPONENTS = ("transformer", "vae")
 TRANSFORMERS_COMPONENTS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 COMPONENTS = DIFFUSERS_COMPONENTS + TRANSFORMERS_COMPONENTS
@@ -31,34 +29,15 @@ def load_config(component: str) -> dict:
     """The published config of one component ("transformer", "vae", "text_encoder", …, or "scheduler")."""
     if component not in COMPONENTS + ("scheduler",):
         raise UserError(f"unknown SD3.5-Medium component {component!r}; known: {', '.join(COMPONENTS)}, scheduler")
-    name = "scheduler_config.json" if component == "scheduler" else "config.json"
-    path = CONFIG_DIR / component / name
-    if not path.is_file():
-        raise UserError(f"{path} is missing; it ships with the gerl repository (restore it with `git checkout "
-                        f"assets/configs`)")
-    return json.loads(path.read_text())
+    return arch.load_config(CONFIG_DIR.name, component)
 
 
 def build_component(component: str, device: str | torch.device | None = None, dtype: torch.dtype = torch.float32):
-    """One component as a randomly initialised nn.Module on `device`, cast to `dtype`.
-
-    device=None builds on the current default device, so that an enclosing `with torch.device("meta"):` holds and
-    nothing is allocated. Weights are initialised in fp32 and then cast: the peak is the fp32 size (T5-XXL's
-    encoder: 19 GB), so build the large parts on the GPU (or on meta), not in a small machine's RAM.
-    """
-    cfg = load_config(component)
-    with torch.device(device) if device is not None else contextlib.nullcontext():
-        if component in DIFFUSERS_COMPONENTS:
-            import diffusers  # lazily: the text encoders need transformers only
-
-            module = getattr(diffusers, cfg["_class_name"]).from_config(cfg)
-        else:
-            import transformers
-
-            cfg = dict(cfg)
-            config = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
-            module = getattr(transformers, cfg["architectures"][0])(config)
-    return module.to(dtype).eval()
+    """One component as a randomly initialised nn.Module on `device`, cast to `dtype` (gerl.models.arch.
+    build_component: device=None builds on the current default device, e.g. inside `with torch.device("meta"):`;
+    the peak is the fp32 size, so build the large parts on the GPU or on meta)."""
+    load_config(component)  # the SD3.5-M name check
+    return arch.build_component(CONFIG_DIR.name, component, device, dtype)
 
 
 def build_sd35_medium(components=COMPONENTS, device: str | torch.device | None = None,

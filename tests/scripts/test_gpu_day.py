@@ -19,12 +19,14 @@ procgroup = load_script("_procgroup")
 
 
 def test_a_failing_phase_is_recorded_and_the_later_phases_still_run(tmp_path, capsys):
-    """env, then smoke made to fail, then train: all three recorded, train measured after smoke's failure.
-    ≈ 30 s on 2 cores (each phase is a child process: torch imports, the tiny SD3 built for train)."""
-    assert gpu_day.main(["--rehearse", "--out", str(tmp_path), "--phases", "train,smoke,env", "--fail", "smoke"]) == 1
+    """env, then smoke made to fail, then train and flux_rollout: all four recorded, train and flux_rollout measured
+    after smoke's failure. ≈ 40 s on 2 cores (each phase is a child process: torch imports, the tiny SD3 built for
+    train, the tiny FLUX for flux_rollout)."""
+    assert gpu_day.main(["--rehearse", "--out", str(tmp_path), "--phases", "flux_rollout,train,smoke,env",
+                         "--fail", "smoke"]) == 1
     report = json.loads((tmp_path / "gpu_day.json").read_text())
     phases = report["phases"]
-    assert list(phases) == ["env", "smoke", "train"]  # the registry's order, whatever order --phases gave
+    assert list(phases) == ["env", "smoke", "train", "flux_rollout"]  # the registry's order, whatever --phases said
     assert phases["smoke"]["status"] == "failed"
     assert phases["smoke"]["error"] == "RuntimeError: --fail smoke: this phase fails on purpose"
     assert phases["env"]["status"] == "ok" and phases["env"]["torch_version"] and phases["env"]["matmul_tflops"] > 0
@@ -33,19 +35,27 @@ def test_a_failing_phase_is_recorded_and_the_later_phases_still_run(tmp_path, ca
     assert t["status"] == "ok" and t["checkpointing_off"]["update_s"] > 0 and t["checkpointing_on"]["update_s"] > 0
     assert t["checkpointing_off"]["ratio_max_dev"] <= 1e-3
     assert all(p["seconds"] > 0 for p in (phases["env"], phases["train"]))
+    f = phases["flux_rollout"]  # tiny-flux through the fast init, ours vs the stock FluxPipeline at two sizes
+    assert f["status"] == "ok" and f["dtype"] == "fp32" and f["settings"]["guidance_scale"] == 3.5
+    assert [(r["resolution"], r["image_tokens"], r["steps"]) for r in f["rows"]] == [(64, 64, 6), (128, 256, 6)]
+    assert all(r["ours_images_per_s"] > 0 and r["stock_images_per_s"] > 0 and r["ours_latents_finite"]
+               and r["tflop_per_image_forward"] > 0 for r in f["rows"])
+    assert f["min_ratio"] == min(r["ours_images_per_s"] / r["stock_images_per_s"] for r in f["rows"])
     # the JSON was rewritten after each phase, before the next one started
     log = [ln for ln in (tmp_path / "gpu_day.log").read_text().splitlines() if ln.startswith("[gpu_day]")]
     order = [ln.split(" — ")[0] for ln in log if "rewritten after" in ln or ": start" in ln]
     assert order == ["[gpu_day] gpu_day.json rewritten after start", "[gpu_day] env: start (cap 60 s)",
                      "[gpu_day] gpu_day.json rewritten after env", "[gpu_day] smoke: start (cap 90 s)",
                      "[gpu_day] gpu_day.json rewritten after smoke", "[gpu_day] train: start (cap 90 s)",
-                     "[gpu_day] gpu_day.json rewritten after train",
+                     "[gpu_day] gpu_day.json rewritten after train", "[gpu_day] flux_rollout: start (cap 60 s)",
+                     "[gpu_day] gpu_day.json rewritten after flux_rollout",
                      "[gpu_day] gpu_day.json rewritten after the last phase"]
     assert "not ok: smoke" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--phases", "env,warp"], "unknown phase 'warp'; choose from env, smoke, rollout, train, step, fp16, launcher"),
+    (["--phases", "env,warp"],
+     "unknown phase 'warp'; choose from env, smoke, rollout, train, step, fp16, flux_rollout, launcher"),
     (["--fail", "nope"], "unknown phase 'nope'"),
     (["--phases", ","], "--phases names no phase"),
     (["--deadline-s", "-1"], "--deadline-s must be > 0"),
@@ -57,6 +67,16 @@ def test_bad_arguments_are_one_line_errors(tmp_path, capsys, argv, message):
     assert not (tmp_path / "gpu_day.json").exists()
     with pytest.raises(SystemExit):  # no abbreviations: --rehe is not --rehearse
         gpu_day.main(["--rehe", "--out", str(tmp_path)])
+
+
+def test_without_phases_a_gpu_run_is_the_first_device_call_and_a_rehearsal_runs_every_phase(tmp_path):
+    """flux_rollout does not fit the first call's 5 minutes: on a GPU it runs only when --phases names it."""
+    first, _ = gpu_day.parse_args(["--out", str(tmp_path)])
+    every, _ = gpu_day.parse_args(["--out", str(tmp_path), "--rehearse"])
+    second, _ = gpu_day.parse_args(["--out", str(tmp_path), "--phases", "launcher,flux_rollout"])
+    assert first.names == ["env", "smoke", "rollout", "train", "step", "fp16", "launcher"]
+    assert every.names == ["env", "smoke", "rollout", "train", "step", "fp16", "flux_rollout", "launcher"]
+    assert second.names == ["flux_rollout", "launcher"]
 
 
 def test_an_unwritable_out_is_a_one_line_error(tmp_path, capsys):
