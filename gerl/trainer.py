@@ -93,7 +93,8 @@ def prepare(cfg: Config) -> Prepared:
     from gerl.plan.arch import check_resolution
 
     check_resolution(cfg.model.path, cfg.model.resolution, f"model.resolution={cfg.model.resolution}", cfg.model.tiny_seed)
-    if cfg.train.deterministic:  # before any model loads: the local engine trains and generates in this process
+    # before any model loads: the local engine trains and generates in this process (Ray hosts apply it themselves)
+    if cfg.train.deterministic and cfg.engine.kind == "local":
         from gerl import determinism
 
         determinism.apply(cfg.seed, "driver")
