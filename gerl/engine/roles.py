@@ -241,7 +241,8 @@ class ActorRole:
         return {v: w for v, w in (self.history or []) if v < self.version}
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """What rollouts generate with: the trained tensors, or the anchor (nft's old policy; dgpo's after its switch)."""
+        """What rollouts generate with: the trained tensors, or the anchor (nft's old policy; dgpo's after its
+        switch)."""
         return self.worker.sampling_state()
 
     def validation_weights(self) -> dict[str, torch.Tensor] | None:

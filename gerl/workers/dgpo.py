@@ -41,8 +41,8 @@ def group_mini_batches(actor, batch, step: int, epoch: int) -> list[torch.Tensor
     into as many mini-batches as the samples make, each group's samples together in rollout order."""
     ids = batch.group_ids
     groups = ids.unique()
-    perm = (torch.randperm(len(groups), generator=torch.Generator().manual_seed(actor.seed * 104_729 + step * 31 + epoch))
-            if actor.cfg.shuffle_mini_batches else torch.arange(len(groups)))
+    gen = torch.Generator().manual_seed(actor.seed * 104_729 + step * 31 + epoch)
+    perm = torch.randperm(len(groups), generator=gen) if actor.cfg.shuffle_mini_batches else torch.arange(len(groups))
     n_mini = len(actor.mini_batches(len(batch), step, epoch))
     return [torch.cat([(ids == groups[k]).nonzero().flatten() for k in part.tolist()])
             for part in torch.tensor_split(perm, n_mini) if len(part)]

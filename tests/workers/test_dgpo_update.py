@@ -30,8 +30,10 @@ def clean_batch(make_rollout, lora_transformer):
 
 
 def _actor(base, algo=DGPO, rank=0, grads=None, sampling=SAMPLING, **train):
-    hook = None if grads is None else (lambda ps, a, b: (grads.append(torch.cat([p.grad.flatten() for p in ps])), (a, b))[1])
-    cfg = TrainConfig(**{"learning_rate": 1e-2, "mini_batch_size": 4, "micro_batch_size": 4, "clip_range": 1e-3, **train})
+    hook = None if grads is None else (
+        lambda ps, a, b: (grads.append(torch.cat([p.grad.flatten() for p in ps])), (a, b))[1])
+    cfg = TrainConfig(**{"learning_rate": 1e-2, "mini_batch_size": 4, "micro_batch_size": 4, "clip_range": 1e-3,
+                         **train})
     return ActorWorker(copy.deepcopy(base), cfg, ModelConfig(lora=True), sampling, max_steps=1, images_per_step=8,
                        seed=0, algo=algo, grad_sync=hook, rank=rank)
 
@@ -80,7 +82,8 @@ def test_points_are_shared_as_dgpo_draws_them(clean_batch):
     assert torch.equal(n0, n1)
     assert all(torch.equal(n0[k], n0[0]) for k in range(4)) and all(torch.equal(n0[k], n0[4]) for k in range(4, 8))
     assert not torch.equal(n0[0], n0[4]) and not torch.equal(n0[0, 0], n0[0, 1]) and not torch.equal(n0, n2)
-    per_sample = training_points(_actor(base, AlgoConfig(**{**DGPO.__dict__, "dgpo_shared_noise": False})), batch, 3, 0)[1]
+    own = AlgoConfig(**{**DGPO.__dict__, "dgpo_shared_noise": False})
+    per_sample = training_points(_actor(base, own), batch, 3, 0)[1]
     assert not torch.equal(per_sample[0], per_sample[1])
 
 
