@@ -183,7 +183,7 @@ class EngineConfig:
     schedule: Literal["sync", "async", "stream"] = "sync"  # sync: generate → reward → train → sync; async: generation runs max_staleness batches ahead; stream: rollouts pull groups from one prompt stream, the trainer takes the first complete ones (docs/architecture.md)
     max_staleness: int = 1  # async: batches generated ahead of training (1 = one-step-off; ROLL's async_generation_ratio); stream: also the lag in versions beyond which a group is stale
     stale: Literal["drop", "downweight"] = "drop"  # stream: a group older than max_staleness versions is dropped, or kept with a smaller weight in the policy loss
-    stale_decay: float = 0.5  # stream, stale=downweight: a stale sample's policy loss × stale_decay^(lag − max_staleness), in (0, 1] (flow_grpo: its advantage × that, the same thing; nft/awm: a per-sample loss weight)
+    stale_decay: float = 0.5  # stream, stale=downweight: a stale sample's policy loss × stale_decay^(lag − max_staleness), in (0, 1] (flow_grpo: its advantage × that, the same thing; nft/awm/dgpo: a per-sample loss weight)
     ratio_cap: float = 0.0  # train.loss=ppo_clip: truncate the importance ratio at this value before the clip (0 = off; ≥ 1 + train.clip_range: dual-clip PPO, bounding a negative-advantage sample's loss at −ratio_cap·A; ROLL's dual_clip_loss is 1 + 2·ε)
     weight_sync: Literal["auto", "object_store", "broadcast"] = "auto"  # auto: object store for LoRA, bucketed broadcast for full fine-tuning
     sync_bucket_mb: int = 256  # bucket size of the broadcast weight sync
