@@ -1,4 +1,4 @@
-"""The table that decides: Flow-GRPO-Fast, DiffusionNFT and AWM on ocr-mini at equal cores, scored on the sealed test.
+"""The table that decides: Flow-GRPO-Fast, DiffusionNFT, AWM (and DGPO) on ocr-mini at equal cores, on the sealed test.
 
 For each algorithm (its recipe), schedule and training seed, one run on the same --cores cores:
   sync      local engine, the recipe as it is (reward futures on), torch on all the cores
@@ -26,6 +26,7 @@ budgets (--budget is per invocation). A ratio table compares each algorithm's ti
     python -m benchmarks algo_table --out docs/tables/algos --only eval --eval-shard 0/2   # score in two processes
     python -m benchmarks algo_table --out docs/tables/algos --only table
     python -m benchmarks algo_table --out docs/tables/sooner --grid 2.5 --algos grpo --budget 40   # issue 36
+    python -m benchmarks algo_table --out docs/tables/dgpo --grid 2.5 --algos dgpo --schedules sync,async:1   # DGPO
 
 Writes OUT.md (the table), OUT.json (every number), OUT.png (the curves) and the run directories under --runs-dir.
 """
@@ -45,8 +46,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-RECIPES = {"grpo": "recipes/ocr_mini.yaml", "nft": "recipes/ocr_mini_nft.yaml", "awm": "recipes/ocr_mini_awm.yaml"}
-NAMES = {"grpo": "Flow-GRPO-Fast", "nft": "DiffusionNFT", "awm": "AWM"}
+RECIPES = {"grpo": "recipes/ocr_mini.yaml", "nft": "recipes/ocr_mini_nft.yaml", "awm": "recipes/ocr_mini_awm.yaml",
+           "dgpo": "recipes/ocr_mini_dgpo.yaml"}
+NAMES = {"grpo": "Flow-GRPO-Fast", "nft": "DiffusionNFT", "awm": "AWM", "dgpo": "DGPO"}
 TEST = REPO / "assets" / "ocr_mini" / "test.txt"
 
 
@@ -320,7 +322,7 @@ def plot(results: dict, args, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"grpo": "tab:blue", "nft": "tab:orange", "awm": "tab:green"}
+    colors = {"grpo": "tab:blue", "nft": "tab:orange", "awm": "tab:green", "dgpo": "tab:red"}
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
     for key, runs in results.items():
         algo, schedule = key.split("|")

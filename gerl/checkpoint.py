@@ -68,7 +68,7 @@ def save_checkpoint(run_dir: Path, step: int, actor, extra_state: dict, keep_las
     if actor.ema is not None:
         save_file({n: s.float().cpu().contiguous() for (n, _), s in zip(actor.named_params, actor.ema.shadow)},
                   str(tmp / "ema.safetensors"))
-    if actor.anchor is not None:  # nft/awm: the old policy, part of the exact state
+    if actor.anchor is not None:  # nft/awm/dgpo: the old policy, part of the exact state
         save_file(actor.anchor_state(), str(tmp / "anchor.safetensors"))
     save_file({"torch_cpu": torch.get_rng_state()}, str(tmp / "rng.safetensors"))
     if inflight:
@@ -190,7 +190,7 @@ def load_checkpoint(path: Path, actor) -> dict:
     actor.optimizer_steps = int(state.get("optimizer_steps", 0))
     if actor.anchor is not None:
         if not (path / "anchor.safetensors").is_file():
-            raise UserError(f"checkpoint {path} has no anchor.safetensors: it was not written by an algo.name=nft/awm "
+            raise UserError(f"checkpoint {path} has no anchor.safetensors: it was not written by an algo.name=nft/awm/dgpo "
                             f"run; resume it with the algo it was trained with (see {Path(path).parent.parent / 'config.yaml'})")
         actor.load_anchor_state(load_file(str(path / "anchor.safetensors")))
     actor.version = state["policy_version"]

@@ -69,18 +69,23 @@ class SamplingConfig:
 @dataclass
 class AlgoConfig:
     """Which policy objective trains the model (gerl/algo/). flow_grpo replays the rollout's recorded SDE steps;
-    nft and awm need only the clean final latents and their rewards (the rollout then samples a plain ODE and records
-    nothing else), and re-noise them at `train_timesteps` noise levels of the sampling schedule."""
-    name: Literal["flow_grpo", "nft", "awm"] = "flow_grpo"  # flow_grpo: Flow-GRPO(-Fast), PPO-clipped ratio of SDE-step log-probs; nft: DiffusionNFT (NVlabs), implicit positive/negative flow matching weighted by the normalised advantage; awm: Advantage Weighted Matching, a PPO-clipped ratio of a flow-matching likelihood surrogate
-    train_timesteps: int = 0  # nft/awm: noise levels trained per sample (0 = int(sampling.num_steps × sampling.timestep_fraction)); grad accumulation counts each
-    timesteps: Literal["random", "stratified"] = "random"  # nft/awm: which schedule indices: `train_timesteps` distinct random ones per sample (NFT), or one per stratum of [1, num_steps × timestep_fraction], the same for each training micro-batch (AWM's discrete_wo_init). Either way every data-parallel rank and inner epoch draws its own, with fresh noise ε per sample, as both references do
+    nft, awm and dgpo need only the clean final latents and their rewards (the rollout then samples a plain ODE and
+    records nothing else), and re-noise them at `train_timesteps` noise levels of the sampling schedule."""
+    name: Literal["flow_grpo", "nft", "awm", "dgpo"] = "flow_grpo"  # flow_grpo: Flow-GRPO(-Fast), PPO-clipped ratio of SDE-step log-probs; nft: DiffusionNFT (NVlabs), implicit positive/negative flow matching weighted by the normalised advantage; awm: Advantage Weighted Matching, a PPO-clipped ratio of a flow-matching likelihood surrogate; dgpo: Direct Group Preference Optimization (Luo et al.), a DPO-style log-sigmoid preference of each group's positive over its negative samples, by their flow-matching errors against a reference (gerl/algo/dgpo.py)
+    train_timesteps: int = 0  # nft/awm/dgpo: noise levels trained per sample (0 = int(sampling.num_steps × sampling.timestep_fraction)); grad accumulation counts each
+    timesteps: Literal["random", "stratified", "shared"] = "random"  # nft/awm/dgpo: which schedule indices: `train_timesteps` distinct random ones per sample (NFT); one per stratum of [1, num_steps × timestep_fraction), the same for each training micro-batch (AWM's discrete_wo_init); or `train_timesteps` distinct ones of [0, num_steps × timestep_fraction), the same for every sample and rank (DGPO: timestep_fraction 0.7 of 10 steps is its trunc_steps 6). random and stratified draw per data-parallel rank and inner epoch, with fresh noise ε per sample, as NFT and AWM do; shared per inner epoch
     nft_beta: float = 1.0  # nft: β of v+ = β·v + (1−β)·v_old and v− = (1+β)·v_old − β·v (NVlabs 1.0; 0.1 in its SD3 OCR config); the loss divides by β
     awm_weighting: Literal["uniform", "t", "t2", "huber", "ghuber"] = "uniform"  # awm: log p ≈ −w(σ, ‖v − (ε − x0)‖²): uniform = −err; t = −σ·err; t2 = −σ²·err; huber = −σ·(√err − 1e-5); ghuber = −σ·(err^p − 0^p)/p
     awm_ghuber_power: float = 0.25  # awm, weighting ghuber: p
     awm_advantage_max: float = 0.0  # awm: advantages × awm_advantage_max / train.adv_clip_max after clipping (0 = unscaled; AWM's configs use 1)
+    dgpo_beta: float = 100.0  # dgpo: β of the group margin S_g = (β/n_g)·Σ A_i·(e_i − e_ref_i), dimensionless; it only sharpens the sigmoid weight σ(S_g), the gradient's scale is A·∇e (DGPO's train.beta_dpo: 100 with the frozen reference in its OCR configs, 2000 with the anchor as reference)
+    dgpo_reference: Literal["base", "anchor"] = "base"  # dgpo: whose flow-matching error e_ref the policy's is compared with: the frozen base model (the adapter off, or a frozen copy; DGPO's OCR scripts) or the anchor below (its use_ema_ref, "emaref" configs, after TDM-R1)
+    dgpo_reference_guidance: float = 1.0  # dgpo: guidance of the frozen base's velocity, in the margin (reference base) and in the KL (train.beta); 1 = the guidance the policy trains at (no classifier-free pass); > 1 = the family's guidance at that scale (DGPO's kl_cfg: 1 in its OCR config, 4.5 in its CFG-free one; the rollout then records the negative embeddings it needs)
+    dgpo_shared_noise: bool = True  # dgpo: one ε per group at each training point, shared by the group's samples (DGPO's use_shared_noise, on in all its configs); false = an ε per sample and rank as nft/awm
+    dgpo_sample_anchor_after: int = 200  # dgpo: after this many optimizer steps the rollouts sample with the anchor instead of the trained weights (DGPO's switch_ema_ref: 200 in its OCR configs, 500 for GenEval); −1 = never. Validation scores the trained weights (or the train.ema_decay EMA)
     anchor_beta: float = 0.0  # nft/awm: weight of ‖v − v_anchor‖² in the loss (AWM's ema_beta; the anchor is the slow copy below)
-    anchor_decay_flat: int = 0  # the anchor ("old" policy) θ_old ← d·θ_old + (1 − d)·θ after each update, d = min(max(0, s − flat)·rate, max) at s optimizer steps. nft samples with θ_old and regresses against it
-    anchor_decay_rate: float = 0.0  # per optimizer step (NVlabs SD3 OCR: flat 75, rate 0.0075, max 0.999; AWM: 0, 0.001, 0.3)
+    anchor_decay_flat: int = 0  # the anchor ("old" policy) θ_old ← d·θ_old + (1 − d)·θ after each update, d = min(max(0, s − flat)·rate, max) at s optimizer steps. nft samples with θ_old and regresses against it; dgpo clips its ratio against it (and compares with it when dgpo_reference=anchor)
+    anchor_decay_rate: float = 0.0  # per optimizer step (NVlabs SD3 OCR: flat 75, rate 0.0075, max 0.999; AWM: 0, 0.001, 0.3; DGPO's ema_ref, updated after its one optimizer step per batch: 1, 0.001, 0.3)
     anchor_decay_max: float = 0.0  # the cap of d (0 with rate 0: the anchor is the current policy after every update)
 
 
@@ -178,7 +183,7 @@ class EngineConfig:
     schedule: Literal["sync", "async", "stream"] = "sync"  # sync: generate → reward → train → sync; async: generation runs max_staleness batches ahead; stream: rollouts pull groups from one prompt stream, the trainer takes the first complete ones (docs/architecture.md)
     max_staleness: int = 1  # async: batches generated ahead of training (1 = one-step-off; ROLL's async_generation_ratio); stream: also the lag in versions beyond which a group is stale
     stale: Literal["drop", "downweight"] = "drop"  # stream: a group older than max_staleness versions is dropped, or kept with a smaller weight in the policy loss
-    stale_decay: float = 0.5  # stream, stale=downweight: a stale sample's policy loss × stale_decay^(lag − max_staleness), in (0, 1] (flow_grpo: its advantage × that, the same thing; nft/awm: a per-sample loss weight)
+    stale_decay: float = 0.5  # stream, stale=downweight: a stale sample's policy loss × stale_decay^(lag − max_staleness), in (0, 1] (flow_grpo: its advantage × that, the same thing; nft/awm/dgpo: a per-sample loss weight)
     ratio_cap: float = 0.0  # train.loss=ppo_clip: truncate the importance ratio at this value before the clip (0 = off; ≥ 1 + train.clip_range: dual-clip PPO, bounding a negative-advantage sample's loss at −ratio_cap·A; ROLL's dual_clip_loss is 1 + 2·ε)
     weight_sync: Literal["auto", "object_store", "broadcast"] = "auto"  # auto: object store for LoRA, bucketed broadcast for full fine-tuning
     sync_bucket_mb: int = 256  # bucket size of the broadcast weight sync
@@ -537,6 +542,9 @@ RANGES: dict[str, Range] = {
     "algo.nft_beta": _gt(0, "the NFT loss divides by β"),
     "algo.awm_ghuber_power": _gt(0),
     "algo.awm_advantage_max": _ge(0, "0 = unscaled"),
+    "algo.dgpo_beta": _gt(0, "the sigmoid's sharpness; its weight is σ(S_g)"),
+    "algo.dgpo_reference_guidance": _ge(1, "1 = the policy's own training guidance"),
+    "algo.dgpo_sample_anchor_after": _ge(-1, "-1 = never"),
     "algo.anchor_beta": _ge(0),
     "algo.anchor_decay_flat": _ge(0),
     "algo.anchor_decay_rate": _ge(0),
@@ -678,7 +686,7 @@ def _relations(cfg: Config) -> list[str]:
         e.append(f"train.micro_batch_size={t.micro_batch_size} must divide train.mini_batch_size ({mini})")
     if s.sampler == "cps" and s.noise_level > 1 or s.noise_level > 10:
         e.append(f"sampling.noise_level={s.noise_level} out of range (cps: (0, 1]; sde: (0, 10])")
-    if s.sde_window_size > 0 and cfg.algo.name == "flow_grpo":  # nft/awm rollouts have no SDE window
+    if s.sde_window_size > 0 and cfg.algo.name == "flow_grpo":  # nft/awm/dgpo rollouts have no SDE window
         if len(s.sde_window_range) != 2:
             e.append("sampling.sde_window_range must be [lo, hi]")
         else:
@@ -696,6 +704,9 @@ def _relations(cfg: Config) -> list[str]:
         if a.timesteps == "stratified" and n > top - 1:
             e.append(f"algo.train_timesteps={n} needs ≥ that many schedule indices in [1, num_steps × timestep_fraction) "
                      f"(here {max(0, top - 1)}); lower it or raise sampling.num_steps")
+        if a.timesteps == "shared" and n > top:
+            e.append(f"algo.train_timesteps={n} needs ≥ that many schedule indices in [0, num_steps × timestep_fraction) "
+                     f"(here {top}); lower it or raise sampling.timestep_fraction")
         if t.loss != "ppo_clip" or t.recompute_old_log_probs or cfg.engine.ratio_cap:
             e.append(f"algo.name={a.name} has its own objective: train.loss, train.recompute_old_log_probs and "
                      "engine.ratio_cap belong to flow_grpo; leave them at their defaults")
@@ -716,6 +727,7 @@ def _relations(cfg: Config) -> list[str]:
         e.append(f"engine.ratio_cap={cap} must be 0 (off) or ≥ 1 + train.clip_range ({1 + t.clip_range:g}): a lower cap "
                  "holds the ratio constant inside the clip range, so every sample whose ratio is above the cap gets no "
                  "gradient (below 1 − clip_range, no sample of an on-policy batch learns at all); dual-clip PPO uses 3")
+    e += _dgpo_relations(cfg)
     if a.name == "nft" and s.guidance_scale > 1:
         e.append(f"algo.name=nft trains without classifier-free guidance, as DiffusionNFT does (its negative-aware loss "
                  f"takes guidance's place; NVlabs' configs sample and train at guidance 1): set sampling.guidance_scale=1 "
@@ -750,6 +762,32 @@ def _relations(cfg: Config) -> list[str]:
     return e
 
 
+def _dgpo_relations(cfg: Config) -> list[str]:
+    """DGPO's options only where they act, and the layout its group margin needs."""
+    a, d, g = cfg.algo, cfg.data, cfg.engine
+    if a.name != "dgpo":
+        return [f"algo.{f.name} applies to algo.name=dgpo only (here {a.name}): remove it or set algo.name=dgpo"
+                for f in dataclasses.fields(AlgoConfig)
+                if f.name.startswith("dgpo_") and getattr(a, f.name) != f.default]
+    e = []
+    images = d.prompts_per_step * d.group_size
+    per_rank = (cfg.train.mini_batch_size or images) // g.actor_workers
+    if per_rank % d.group_size:
+        e.append(f"algo.name=dgpo compares a group's samples within one optimizer step: train.mini_batch_size / "
+                 f"engine.actor_workers ({per_rank}) must be a multiple of data.group_size ({d.group_size})")
+    if a.anchor_beta > 0:
+        e.append("algo.anchor_beta is nft/awm's velocity penalty; dgpo regularises with train.beta (the KL to the base) "
+                 "and its clip against the anchor: set algo.anchor_beta=0")
+    if a.dgpo_reference == "anchor" and (a.anchor_decay_rate == 0 or a.anchor_decay_max == 0):
+        e.append("algo.dgpo_reference=anchor with a still anchor (anchor_decay_rate or anchor_decay_max 0) compares the "
+                 "policy with itself at every update's start, so every margin is 0: set algo.anchor_decay_rate=0.001 "
+                 "algo.anchor_decay_max=0.3 (DGPO's ema_ref) or algo.dgpo_reference=base")
+    if a.dgpo_reference_guidance > 1 and a.dgpo_reference == "anchor" and cfg.train.beta == 0:
+        e.append(f"algo.dgpo_reference_guidance={a.dgpo_reference_guidance:g} guides the frozen base's velocity, which "
+                 "neither the margin (dgpo_reference=anchor) nor a KL (train.beta=0) uses here: remove it")
+    return e
+
+
 def reward_components(r: RewardConfig) -> list[RewardComponent]:
     """The rewards to run: the components, or the single-reward shorthand as one component of weight 1."""
     return list(r.components) or [RewardComponent(name=r.name, kwargs=r.kwargs, pool=r.pool, workers=r.workers)]
@@ -771,7 +809,7 @@ def derived_sizes(cfg: Config, trained_steps: int) -> dict[str, int]:
 
 
 def trained_steps_per_sample(cfg: Config) -> int:
-    """Denoising steps (flow_grpo) or noise levels (nft/awm) each sample trains per update."""
+    """Denoising steps (flow_grpo) or noise levels (nft/awm/dgpo) each sample trains per update."""
     s = cfg.sampling
     if cfg.algo.name != "flow_grpo":
         return cfg.algo.train_timesteps or max(1, int(s.num_steps * s.timestep_fraction))

@@ -215,6 +215,30 @@ def test_nft_with_guidance_is_refused_naming_the_fix():
     assert load_config(None, ["algo.name=awm", "sampling.guidance_scale=4.5"]).algo.name == "awm"  # AWM's train.cfg
 
 
+def test_dgpo_combinations_that_cannot_work_are_refused_naming_the_fix():
+    """DGPO needs both sets of a group inside one optimizer step, a group of ≥ 2, a moving anchor when the anchor is
+    its reference; and its options on another algorithm would be ignored without a word."""
+    dgpo = ["algo.name=dgpo", "data.prompts_per_step=4", "data.group_size=4"]
+    for extra, words in (
+            (["data.group_size=1"], "data.group_size=1 must be ≥ 2"),
+            (["train.mini_batch_size=8", "train.micro_batch_size=2", "data.group_size=3", "data.prompts_per_step=8",
+              "sampling.micro_batch_size=8"],
+             "train.mini_batch_size / engine.actor_workers (8) must be a multiple of data.group_size (3)"),
+            (["algo.dgpo_reference=anchor"], "set algo.anchor_decay_rate=0.001 algo.anchor_decay_max=0.3"),
+            (["algo.anchor_beta=0.5"], "set algo.anchor_beta=0"),
+            (["algo.dgpo_reference=anchor", "algo.anchor_decay_rate=0.001", "algo.anchor_decay_max=0.3",
+              "algo.dgpo_reference_guidance=4.5"], "algo.dgpo_reference_guidance=4.5 guides the frozen base"),
+            (["algo.timesteps=shared", "sampling.num_steps=6", "sampling.timestep_fraction=0.5",
+              "algo.train_timesteps=4"], "algo.train_timesteps=4 needs ≥ that many schedule indices in [0, num_steps")):
+        with pytest.raises(UserError, match=re.escape(words)):
+            load_config(None, [*dgpo, *extra])
+    with pytest.raises(UserError, match=re.escape("algo.dgpo_beta applies to algo.name=dgpo only (here nft)")):
+        load_config(None, ["algo.name=nft", "algo.dgpo_beta=10"])
+    cfg = load_config(None, [*dgpo, "train.mini_batch_size=8", "train.micro_batch_size=4", "sampling.guidance_scale=4.5",
+                             "algo.timesteps=shared", "sampling.timestep_fraction=0.7", "algo.train_timesteps=4"])
+    assert cfg.algo.name == "dgpo" and cfg.sampling.guidance_scale == 4.5  # DGPO's default mode: rollouts with CFG
+
+
 def test_fractional_gpu_hosts_are_accepted_and_fp16_full_fine_tuning_is_not():
     one_gpu = ["engine.kind=ray", "engine.hybrid=false", "engine.device=cuda", "engine.gpus_per_worker=0.5"]
     # hosts sharing a GPU: NCCL cannot join them, so their groups carry CUDA tensors with gloo (tests/engine/test_dist.py)

@@ -286,3 +286,10 @@ def test_a_gpu_run_prints_its_plan_and_logs_it_beside_the_measured_peak(tmp_path
     assert "gerl plan: tiny" in err and "hybrid" in err and "card" in err
     row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
     assert row["plan_peak_gib/hybrid"] > 0 and row["peak_mem_gib"] > 0
+
+
+def test_a_dgpo_config_is_planned_and_says_what_is_not_modelled(capsys):
+    """algo.name=dgpo plans (no crash) and says on stderr that its update is modelled as Flow-GRPO's replay."""
+    assert main(["plan", TINY, "algo.name=dgpo"]) == 0
+    out, err = capsys.readouterr()
+    assert "peak = resident + " in out and "algo.name=dgpo is not modelled yet" in err

@@ -147,13 +147,18 @@ def timestep_indices(num_steps: int, fraction: float, k: int, batch: int, mode: 
     stratified (AWM's discrete_wo_init): [1, int(num_steps·fraction)) cut into k strata, one uniform index in each,
     the same for all `batch` samples (AWM draws once per training micro-batch; index 0, σ = 1, is pure noise and
     never trained).
+    shared (DGPO): k distinct indices of [0, int(num_steps·fraction)), the same for all `batch` samples (DGPO draws
+    them once per inner epoch for every sample and rank: random.sample(range(trunc_steps + 1), k)).
     """
     if mode == "random":
         return torch.stack([torch.randperm(num_steps, generator=generator)[:k] for _ in range(batch)])
+    if mode == "shared":
+        top = int(num_steps * fraction)
+        return torch.randperm(top, generator=generator)[:k].expand(batch, k).clone()
     if mode == "stratified":
         top = int(num_steps * fraction)
         bounds = torch.linspace(1, top, k + 1)
         lo, hi = bounds[:-1].long(), bounds[1:].long()
         idx = lo + (torch.rand(k, generator=generator) * (hi - lo)).long()
         return idx.expand(batch, k).clone()
-    raise ValueError(f"unknown timestep mode {mode!r}; choose random or stratified")
+    raise ValueError(f"unknown timestep mode {mode!r}; choose random, stratified or shared")

@@ -81,9 +81,10 @@ class RolloutRole:
         self.cfg, self.rank = cfg, rank
         self.pipe = pipe if pipe is not None else build_pipeline(cfg, device, roles=("rollout",))
         self.embedder = TextEmbedder(self.pipe, cfg.model.max_sequence_length, cfg.model.text_cache_size)
-        # nft/awm learn from clean samples alone: the rollout samples a plain ODE and records no SDE step
+        # nft/awm/dgpo learn from clean samples alone: the rollout samples a plain ODE and records no SDE step
         self.worker = RolloutWorker(self.pipe, self.embedder, cfg.sampling, cfg.model.resolution, cfg.seed,
-                                    record_sde=cfg.algo.name == "flow_grpo")
+                                    record_sde=cfg.algo.name == "flow_grpo",
+                                    reference_guidance=cfg.algo.dgpo_reference_guidance)
         comps = reward_components(cfg.reward)
         fns = reward_fns if reward_fns is not None else [build_reward(c.name, c.kwargs) for c in comps]
         r = cfg.reward
@@ -240,11 +241,13 @@ class ActorRole:
         return {v: w for v, w in (self.history or []) if v < self.version}
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """What rollouts generate with: the trained tensors, or nft's anchor (its old policy)."""
+        """What rollouts generate with: the trained tensors, or the anchor (nft's old policy; dgpo's after its
+        switch)."""
         return self.worker.sampling_state()
 
     def validation_weights(self) -> dict[str, torch.Tensor] | None:
-        """What validation scores when it differs from what rollouts hold: the EMA, or nft's trained tensors."""
+        """What validation scores when it differs from what rollouts hold: the EMA, or the trained tensors where
+        rollouts sample with the anchor (nft; dgpo after its switch)."""
         w = self.worker
         if w.ema is not None:
             return {n: s.float().cpu() for (n, _), s in zip(w.named_params, w.ema.shadow)}

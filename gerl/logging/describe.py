@@ -12,7 +12,8 @@ import functools
 
 from gerl.config import Config
 
-ALGORITHMS = {"nft": "DiffusionNFT", "awm": "AWM"}  # flow_grpo reads Flow-GRPO or Flow-GRPO-Fast (the SDE window)
+# flow_grpo reads Flow-GRPO or Flow-GRPO-Fast (the SDE window)
+ALGORITHMS = {"nft": "DiffusionNFT", "awm": "AWM", "dgpo": "DGPO"}
 # metric key → panel title; which of them apply to a run is `curves_that_apply`
 TRAIN_CURVES = {"kl": "KL to the reference", "clipfrac": "clip fraction", "grad_norm": "gradient norm (pre-clip)"}
 
@@ -38,7 +39,7 @@ def setting(cfg: dict, dotted: str):
 
 def algorithm(cfg: dict) -> str:
     """Flow-GRPO-Fast (an SDE window of sampling.sde_window_size > 0 steps), Flow-GRPO (window 0: every step but the
-    last is stochastic and trained), DiffusionNFT or AWM (algo.name)."""
+    last is stochastic and trained), DiffusionNFT, AWM or DGPO (algo.name)."""
     name = setting(cfg, "algo.name")
     if name == "flow_grpo":
         return "Flow-GRPO-Fast" if setting(cfg, "sampling.sde_window_size") > 0 else "Flow-GRPO"
@@ -47,14 +48,17 @@ def algorithm(cfg: dict) -> str:
 
 def loss(cfg: dict) -> str:
     """The objective and the knobs that define it: train.loss for flow_grpo (ppo_clip with its ε and dual clip,
-    tis, topr, cispo), nft's implicit ± velocities with β, awm's clipped ratio of its flow-matching surrogate; then
-    the velocity or KL penalties that are on (train.beta; algo.anchor_beta for nft/awm)."""
+    tis, topr, cispo), nft's implicit ± velocities with β, awm's clipped ratio of its flow-matching surrogate,
+    dgpo's group preference with β, its reference and its clip; then the velocity or KL penalties that are on
+    (train.beta; algo.anchor_beta for nft/awm)."""
     g = functools.partial(setting, cfg)
     name, eps = g("algo.name"), g("train.clip_range")
     if name == "nft":
         text = f"nft ± velocities (β {g('algo.nft_beta'):g})"
     elif name == "awm":
         text = f"awm clipped ratio (ε {eps:g}, {g('algo.awm_weighting')} weighting)"
+    elif name == "dgpo":
+        text = f"dgpo group preference (β {g('algo.dgpo_beta'):g}, vs the {g('algo.dgpo_reference')}, clip ε {eps:g})"
     else:
         policy = g("train.loss")
         if policy == "ppo_clip":
@@ -103,12 +107,15 @@ def curves_that_apply(cfg: dict) -> list[str]:
     - kl: only when train.beta > 0; otherwise no reference term is computed and every algorithm logs 0 or nothing;
     - clipfrac: flow_grpo always (its ratio is to the rollout's log-probs: staleness, rollout/trainer numerics and
       later optimizer steps all move it); awm only when an update takes more than one optimizer step (its ratio is to
-      the weights the update started from, exactly 1 until the first step); never nft (no ratio, nothing clipped);
+      the weights the update started from, exactly 1 until the first step); dgpo when it does or its anchor lags
+      (a decay > 0: its ratio is to the anchor); never nft (no ratio, nothing clipped);
     - grad_norm: always."""
     if not cfg:
         return list(TRAIN_CURVES)
     name = setting(cfg, "algo.name")
+    lags = setting(cfg, "algo.anchor_decay_rate") > 0 and setting(cfg, "algo.anchor_decay_max") > 0
     keep = {"kl": setting(cfg, "train.beta") > 0,
-            "clipfrac": name == "flow_grpo" or name == "awm" and optimizer_steps_per_update(cfg) > 1,
+            "clipfrac": name == "flow_grpo" or name in ("awm", "dgpo") and optimizer_steps_per_update(cfg) > 1
+            or name == "dgpo" and lags,
             "grad_norm": True}
     return [k for k in TRAIN_CURVES if keep[k]]

@@ -103,15 +103,17 @@ class ActorWorker:
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(train.lr_schedule, train.warmup_steps, total))
         self.ema = EMA(self.params, train.ema_decay) if train.ema_decay > 0 else None
-        # Reference policy for the KL term: the adapter switched off (LoRA) or a frozen copy (full fine-tuning).
+        # Reference policy for the KL term (and dgpo's base reference): the adapter switched off (LoRA) or a frozen
+        # copy (full fine-tuning).
         self.ref = None
-        if train.beta > 0 and not model.lora:
+        needs_ref = train.beta > 0 or (self.algo.name == "dgpo" and self.algo.dgpo_reference == "base")
+        if needs_ref and not model.lora:
             self.ref = copy.deepcopy(transformer).requires_grad_(False).eval()
         self.version = 0  # training steps (update calls) completed: the policy version handed to rollouts
         self.optimizer_steps = 0  # optimizer steps taken (the anchor's decay schedule counts these)
-        # nft/awm: noise levels trained per sample
+        # nft/awm/dgpo: noise levels trained per sample
         self.train_timesteps = (self.algo.train_timesteps or max(1, int(sampling.num_steps * sampling.timestep_fraction)))
-        # nft/awm: the anchor ("old" policy), a slow copy of the trained tensors (gerl/algo/matching.py anchor_decay)
+        # nft/awm/dgpo: the anchor ("old" policy), a slow copy of the trained tensors (gerl/algo/matching.py anchor_decay)
         self.anchor = [p.detach().clone() for p in self.params] if self.algo.name != "flow_grpo" else None
 
     def mini_batches(self, B: int, step: int, epoch: int) -> list[torch.Tensor]:
@@ -124,8 +126,8 @@ class ActorWorker:
 
     @contextmanager
     def anchor_swapped(self):
-        """The trained tensors temporarily replaced by the anchor's (nft's v_old, awm's anchor term, nft sampling);
-        nothing when there is no anchor."""
+        """The trained tensors temporarily replaced by the anchor's (nft's v_old, awm's anchor term, dgpo's old
+        policy, sampling with the anchor); nothing when there is no anchor."""
         if self.anchor is None:
             yield
             return
@@ -238,8 +240,9 @@ class ActorWorker:
     def update(self, batch: RolloutBatch, advantages: torch.Tensor, step: int) -> dict[str, float]:
         """Inner epochs of optimizer steps on `batch` with the configured algorithm. Returns step metrics.
         batch.stale_weight (streaming, engine.stale=downweight) weighs each sample's policy loss: every flow_grpo
-        loss is linear in a positive scale of the advantage, so there it scales the advantages; nft and awm weigh
-        their per-sample losses (for nft a scaled advantage would pull toward the anchor, not shrink the update)."""
+        loss is linear in a positive scale of the advantage, so there it scales the advantages; nft, awm and dgpo
+        weigh their per-sample losses (for nft a scaled advantage would pull toward the anchor, not shrink the
+        update; for dgpo it would move its group's margin)."""
         if self.algo.name == "flow_grpo":
             w = batch.stale_weight
             m = self._update_flow_grpo(batch, advantages if w is None else advantages * w.to(advantages), step)
@@ -325,11 +328,16 @@ class ActorWorker:
 
     @property
     def samples_with_anchor(self) -> bool:
-        """nft samples with the old policy (its anchor), as DiffusionNFT does; every other algorithm with θ."""
-        return self.algo.name == "nft"
+        """nft samples with the old policy (its anchor), as DiffusionNFT does; dgpo once it has taken more than
+        algo.dgpo_sample_anchor_after optimizer steps (DGPO's switch_ema_ref); every other algorithm with θ."""
+        a = self.algo
+        if a.name == "dgpo":
+            return 0 <= a.dgpo_sample_anchor_after < self.optimizer_steps
+        return a.name == "nft"
 
     def sampling_state(self) -> dict[str, torch.Tensor]:
-        """The tensors rollouts generate with (by name, fp32, CPU): the anchor for nft, else the trained ones."""
+        """The tensors rollouts generate with (by name, fp32, CPU): the anchor for nft (and dgpo after its switch),
+        else the trained ones."""
         if not self.samples_with_anchor:
             return self.trainable_state()
         return {n: a.detach().float().cpu().contiguous() for (n, _), a in zip(self.named_params, self.anchor)}

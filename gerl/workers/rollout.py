@@ -59,9 +59,13 @@ def decode(vae, latents: torch.Tensor, family=None) -> list[Image.Image]:
 class RolloutWorker:
     """Generates trajectory batches with the current weights of `pipe.transformer`. One role: generation."""
 
-    def __init__(self, pipe, embedder, sampling: SamplingConfig, resolution: int, seed: int, record_sde: bool = True):
+    def __init__(self, pipe, embedder, sampling: SamplingConfig, resolution: int, seed: int, record_sde: bool = True,
+                 reference_guidance: float = 1.0):
         self.pipe, self.embedder, self.cfg = pipe, embedder, sampling
-        self.record_sde = record_sde  # False: ODE everywhere, only the clean final latents kept (nft, awm)
+        self.record_sde = record_sde  # False: ODE everywhere, only the clean final latents kept (nft, awm, dgpo)
+        # the guidance a training forward applies to the batch's embeddings besides the rollout's own (dgpo's
+        # guided base reference): its negative embeddings are recorded even when the rollout does not guide
+        self.reference_guidance = reference_guidance
         self.seed = seed
         self.family = family_of(pipe)  # latent layout, σ schedule, decoding (the velocity: predict_velocity)
         self.latent_shape = self.family.latent_shape(pipe, resolution)
@@ -84,7 +88,7 @@ class RolloutWorker:
         window_rng = torch.Generator().manual_seed(sample_seed(self.seed, step, -1))
         sde_steps = (sde_window(sched.num_steps, cfg.sde_window_size, tuple(cfg.sde_window_range), window_rng)
                      if self.record_sde else [])
-        guided = self.family.uses_negative(cfg.guidance_scale)
+        guided = self.family.uses_negative(max(cfg.guidance_scale, self.reference_guidance))
         trajs, images, futures, embeds_all, spans, versions = [], [], [], [], [], []
         t_gen = t_dec = 0.0
         self.pipe.transformer.eval()

@@ -1,7 +1,8 @@
-"""Every algorithm under every schedule: flow_grpo's own schedule tests live beside this file; here nft and awm
+"""Every algorithm under every schedule: flow_grpo's own schedule tests live beside this file; here nft, awm and dgpo
 run locally (sync, reward futures) and on real Ray actors (one-step-off, staleness 2, stream, hybrid), with the
-rollouts holding exactly what each algorithm samples with — nft its anchor (old policy), awm the trained weights —
-nft's validation scoring the trained weights, and an nft resume that is bit-exact, anchor included."""
+rollouts holding exactly what each algorithm samples with — nft its anchor (old policy), awm the trained weights,
+dgpo the trained weights and then, after its switch, the anchor — nft's validation scoring the trained weights, and
+an nft resume that is bit-exact, anchor included."""
 
 import json
 from contextlib import contextmanager
@@ -25,13 +26,17 @@ NFT = ["algo.name=nft", "algo.nft_beta=0.5", "algo.anchor_decay_rate=1", "algo.a
 AWM = ["algo.name=awm", "algo.timesteps=stratified", "sampling.num_steps=4", "algo.train_timesteps=2",
        "algo.awm_weighting=ghuber", "algo.anchor_beta=0.5", "algo.anchor_decay_max=0.3", "algo.anchor_decay_rate=0.1",
        "train.clip_range=0.5", "reward.name=jpeg_compressibility"]
+# groups of 4 in mini-batches of 4: one group per optimizer step; rollouts switch to the anchor after 1 optimizer step
+DGPO = ["algo.name=dgpo", "algo.timesteps=shared", "sampling.num_steps=4", "algo.train_timesteps=2",
+        "algo.dgpo_beta=10", "algo.anchor_decay_rate=0.1", "algo.anchor_decay_max=0.3",
+        "algo.dgpo_sample_anchor_after=1", "train.clip_range=0.01", "train.beta=0.01"]
 
 
 def _rows(run):
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("algo", [NFT, AWM], ids=["nft", "awm"])
+@pytest.mark.parametrize("algo", [NFT, AWM, DGPO], ids=["nft", "awm", "dgpo"])
 def test_local_sync_with_reward_futures(algo, tmp_path):
     train(small_config(tmp_path, "max_steps=2", *algo))
     rows = _rows(tmp_path)
@@ -56,7 +61,9 @@ def _train_checking_sync(cfg):
     (NFT, ["engine.schedule=async", "engine.max_staleness=1"]),
     (AWM, ["engine.schedule=async", "engine.max_staleness=2"]),
     (NFT, ["engine.schedule=stream", "engine.max_staleness=1"]),
-], ids=["nft-one-step-off", "awm-stale2", "nft-stream"])
+    (DGPO, ["engine.schedule=async", "engine.max_staleness=1"]),
+    (DGPO, ["engine.schedule=stream", "engine.max_staleness=1"]),
+], ids=["nft-one-step-off", "awm-stale2", "nft-stream", "dgpo-one-step-off", "dgpo-stream"])
 def test_decoupled_schedules_sync_the_sampling_weights(algo, schedule, tmp_path):
     cfg = small_config(tmp_path, "max_steps=3", *DECOUPLED, *algo, *schedule)
     checks = _train_checking_sync(cfg)
@@ -64,6 +71,18 @@ def test_decoupled_schedules_sync_the_sampling_weights(algo, schedule, tmp_path)
     # (a streaming rollout is checked on what it holds once the buckets it has staged are loaded)
     assert len(checks) >= 3 and all(checks), "every rollout holds the actor's sampling weights after each sync"
     assert all(r["grad_norm"] > 0 for r in rows) and max(r["policy_lag"] for r in rows) >= 1
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_dgpo_on_hybrid_hosts_trains_and_validates_the_weights(tmp_path):
+    """Two hybrid hosts (data parallel, one group each per optimizer step): the host's rollout shares the actor's
+    transformer and samples with the anchor after the switch; validation scores the trained weights."""
+    train(small_config(tmp_path, "max_steps=2", "engine.kind=ray", "engine.hybrid=true", "engine.device=cpu",
+                       "engine.cpus_per_worker=1", "engine.actor_workers=2", "engine.rollout_workers=2",
+                       "train.mini_batch_size=8", "validation.every=1", "validation.num_prompts=2", *DGPO))
+    rows = _rows(tmp_path)
+    assert [r["step"] for r in rows if r.get("val_reward_mean") is not None] == [0, 1, 2]
+    assert all(r["grad_norm"] > 0 and r["optimizer_steps"] == 1 for r in rows if "grad_norm" in r)
 
 
 @contextmanager

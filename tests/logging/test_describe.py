@@ -56,6 +56,13 @@ def test_the_quickstart_run_is_awm_one_step_off():
     # the ratio is 1 by construction and its clip fraction is left out
     ("awm_sd3_ocr.yaml", ["reward.with_reward=false"],
      ("AWM", "awm clipped ratio (ε 1, ghuber weighting) + KL β 0.003 + anchor β 1", "sync", ["kl", "grad_norm"])),
+    # dgpo: β 2000 against the anchor, clip 1e-5, KL 0.001; one optimizer step per update, but the anchor lags (rate
+    # 0.001, max 0.3), so its ratio to the anchor can clip
+    ("ocr_mini_dgpo.yaml", [], ("DGPO", "dgpo group preference (β 2000, vs the anchor, clip ε 1e-05) + KL β 0.001",
+                                "with_reward", ["kl", "clipfrac", "grad_norm"])),
+    # its own SD3.5 recipe with a still anchor: the ratio is 1 at its one optimizer step, no clip fraction
+    ("dgpo_sd3_ocr.yaml", ["algo.anchor_decay_rate=0", "reward.with_reward=false"],
+     ("DGPO", "dgpo group preference (β 100, vs the base, clip ε 0.01) + KL β 0.02", "sync", ["kl", "grad_norm"])),
 ])
 def test_each_algorithm_from_its_recipe(recipe, overrides, want):
     assert labels(written_config(recipe, *overrides)) == want

@@ -1,8 +1,9 @@
 """The model-family layer (gerl/models/family.py): a model's family comes from its model_index.json before anything
 loads (a directory gerl cannot train is one clear error, on every path that reaches the loader), and for every
 family (SD3, FLUX.1-dev, FLUX.1-schnell, Qwen-Image) and every algorithm the first update starts where the rollout
-left off: ratio = 1 for Flow-GRPO and Flow-GRPO-Fast, the policy's velocity = the anchor's for NFT (fp32, ≤ 1e-6), and
-for AWM the same first gradient whether its denominator comes from the training forward or the batched no-grad pass."""
+left off: ratio = 1 for Flow-GRPO and Flow-GRPO-Fast, the policy's velocity = the anchor's for NFT (fp32, ≤ 1e-6), for
+AWM the same first gradient whether its denominator comes from the training forward or the batched no-grad pass, and
+for DGPO whether its group margins come from per-sample forwards or batched ones (ratio 1 to the anchor)."""
 
 import copy
 import json
@@ -89,7 +90,7 @@ def model(request):
 
 
 ALGOS = {  # sampling window, algorithm
-    "flow_grpo": (0, "flow_grpo"), "fast": (2, "flow_grpo"), "awm": (0, "awm"), "nft": (0, "nft"),
+    "flow_grpo": (0, "flow_grpo"), "fast": (2, "flow_grpo"), "awm": (0, "awm"), "nft": (0, "nft"), "dgpo": (0, "dgpo"),
 }
 
 
@@ -139,9 +140,18 @@ def test_the_first_update_starts_where_the_rollout_left_off(model, algo):
                            ModelConfig(lora=True), sampling, max_steps=1, images_per_step=4, seed=0,
                            algo=AlgoConfig(name=name, train_timesteps=2))
         control = matching_update(twin, batch, adv, step=1, reuse_training_forward=False)
+    if name == "dgpo":
+        # micro-batches of 1 split each group: its margins come from the no-grad pass; the control's micro-batch
+        # of 4 holds both groups and takes them from its training forwards. The anchor is the starting weights.
+        twin = ActorWorker(copy.deepcopy(tr), TrainConfig(micro_batch_size=4, learning_rate=1e-3),
+                           ModelConfig(lora=True), sampling, max_steps=1, images_per_step=4, seed=0,
+                           algo=AlgoConfig(name=name, train_timesteps=2))
+        control = matching_update(twin, batch, adv, step=1)
     metrics = actor.update(batch, adv, step=1)
     assert metrics["grad_norm"] > 0
     if name == "flow_grpo":
         assert metrics["ratio_max_dev_before_update"] <= 1e-6
-    if name == "awm":
+    if name in ("awm", "dgpo"):
         assert abs(control["grad_norm"] - metrics["grad_norm"]) <= 1e-6 * metrics["grad_norm"]
+    if name == "dgpo":  # the live adapter is not the base: margins ≠ 0; the anchor is the weights: ratio 1
+        assert metrics["margin_mean"] != 0 and abs(metrics["ratio_mean"] - 1) <= 1e-6 and metrics["clipfrac"] == 0

@@ -19,6 +19,8 @@ AWM = AlgoConfig(name="awm", train_timesteps=2, timesteps="stratified", awm_weig
                  anchor_decay_rate=0.1, anchor_decay_max=0.3)
 NFT = AlgoConfig(name="nft", train_timesteps=2, timesteps="random", nft_beta=0.5, anchor_decay_rate=1.0,
                  anchor_decay_max=0.5)
+DGPO = AlgoConfig(name="dgpo", train_timesteps=2, timesteps="shared", dgpo_beta=10.0, anchor_decay_rate=0.1,
+                  anchor_decay_max=0.3)
 
 
 @pytest.fixture
@@ -108,11 +110,11 @@ def test_awm_draws_its_strata_per_training_micro_batch(clean_batch):
         assert len(levels) > 1, f"point {j}: one draw for the whole step"
 
 
-@pytest.mark.parametrize("algo", [NFT, AWM], ids=["nft", "awm"])
+@pytest.mark.parametrize("algo", [NFT, AWM, DGPO], ids=["nft", "awm", "dgpo"])
 def test_a_stale_sample_weight_scales_its_share_of_the_update(algo, clean_batch):
     """batch.stale_weight (engine.stale=downweight) is a per-sample loss weight: the first optimizer step's gradient
     with weights w is Σ_i w_i × (sample i's gradient). For nft, scaling the advantage instead (the old behaviour)
-    moves r toward ½, a pull toward the anchor that this identity catches."""
+    moves r toward ½, a pull toward the anchor that this identity catches; for dgpo it would move the margins."""
     base, batch = clean_batch
     plain = dict(beta=0.0, max_grad_norm=0.0, mini_batch_size=8, micro_batch_size=4)
     algo = dataclasses.replace(algo, anchor_beta=0.0)  # penalties are not weighted: leave them out
