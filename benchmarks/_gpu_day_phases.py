@@ -179,7 +179,7 @@ def env(ctx: Ctx) -> None:
     check_finite("env", {"matmul_tflops": n["matmul_tflops"]})
 
 
-@phase("smoke", cap_s=120, rehearse_cap_s=90, h100_estimate_s=25,
+@phase("smoke", cap_s=120, rehearse_cap_s=90, h100_estimate_s=28,
        what="build (timed), one rollout micro-batch, one Flow-GRPO-Fast update; ratio before it; no NaN/inf")
 def smoke(ctx: Ctx) -> None:
     import torch
@@ -210,7 +210,7 @@ def smoke(ctx: Ctx) -> None:
         raise PhaseFailed(f"the update took {m['optimizer_steps']} optimizer step(s), grad_norm {m['grad_norm']}")
 
 
-@phase("rollout", cap_s=150, rehearse_cap_s=120, h100_estimate_s=85,
+@phase("rollout", cap_s=180, rehearse_cap_s=120, h100_estimate_s=148,
        what="images/s of our rollout vs stock StableDiffusion3Pipeline.__call__, micro-batch x guidance x LoRA")
 def rollout(ctx: Ctx) -> None:
     from gerl.config import ModelConfig
@@ -239,7 +239,7 @@ def rollout(ctx: Ctx) -> None:
     n["bar"] = ctx.bench.STOCK_BAR
 
 
-@phase("train", cap_s=90, rehearse_cap_s=90, h100_estimate_s=40,
+@phase("train", cap_s=90, rehearse_cap_s=90, h100_estimate_s=54,
        what="one actor update at GeRL's settings: seconds and peak memory, checkpointing off and on, vs gerl plan")
 def train(ctx: Ctx) -> None:
     import torch
@@ -302,7 +302,7 @@ def train_plan(ctx: Ctx, images: int) -> dict:
     return out
 
 
-@phase("step", cap_s=150, rehearse_cap_s=150, h100_estimate_s=70, needs=("torch", "diffusers", "rapidocr"),
+@phase("step", cap_s=300, rehearse_cap_s=150, h100_estimate_s=240, needs=("torch", "diffusers", "rapidocr"),
        what="one whole step of GeRL's row (OCR reward on CPU threads), then DiffusionNFT's and AWM's recipes")
 def step(ctx: Ctx) -> None:
     from _gpu_day_step import whole_step
@@ -312,7 +312,7 @@ def step(ctx: Ctx) -> None:
         ctx.save()
 
 
-@phase("fp16", cap_s=90, rehearse_cap_s=90, h100_estimate_s=30,
+@phase("fp16", cap_s=120, rehearse_cap_s=90, h100_estimate_s=84,
        what="fp16 with loss scaling at full depth: ratio, LoRA-gradient cosine and zero fraction vs fp32")
 def fp16(ctx: Ctx) -> None:
     import contextlib
@@ -342,7 +342,7 @@ def fp16(ctx: Ctx) -> None:
 
 
 # Not in the first device call: its ≈ 30 s do not fit that call's 5 minutes (docs/benchmarks.md, "gpu_day").
-@phase("flux_rollout", cap_s=90, rehearse_cap_s=60, h100_estimate_s=30, first_call=False,
+@phase("flux_rollout", cap_s=90, rehearse_cap_s=60, h100_estimate_s=41, first_call=False,
        what="FLUX.1-dev architecture, bf16: images/s of our rollout vs stock FluxPipeline.__call__ at 512 and 1024 px",
        missing_hint="the second call runs on the first call's .site/: make it at once, while the machine is warm")
 def flux_rollout(ctx: Ctx) -> None:
@@ -351,7 +351,7 @@ def flux_rollout(ctx: Ctx) -> None:
     measure(ctx)
 
 
-@phase("launcher", cap_s=180, rehearse_cap_s=200, h100_estimate_s=75, needs=("torch", "diffusers", "rapidocr", "ray"),
+@phase("launcher", cap_s=180, rehearse_cap_s=200, h100_estimate_s=69, needs=("torch", "diffusers", "rapidocr", "ray"),
        what="recipes/run_sd3_fast_3p_a1_r2.sh for 2 steps on this one GPU (fractional gpus_per_worker)",
        missing_hint="carry .whl/ray in a second call while the machine is warm: docs/offline_install.md")
 def launcher(ctx: Ctx) -> None:
@@ -368,3 +368,29 @@ def launcher(ctx: Ctx) -> None:
     if not row.get("ok"):
         raise PhaseFailed(row.get("error") or bl.format_row(row))
 
+
+
+@phase("launchers", cap_s=290, rehearse_cap_s=400, h100_estimate_s=260, first_call=False,
+       needs=("torch", "diffusers", "rapidocr", "ray"),
+       what="the other four GPU launchers for 2 steps each on this one GPU: 3p_a2_r1, 3p_hybrid, 1p_with_reward, 8p",
+       missing_hint="carry .whl/ray in a call right after one that carried .whl/gpu: docs/offline_install.md")
+def launchers(ctx: Ctx) -> None:
+    """The launchers the first GPU day could not fit (issue 33), one row each, saved as each ends; the phase fails
+    naming every launcher whose checks failed. Each gets the time the cap has left, less 5 s."""
+    import tempfile
+    import time
+
+    import bench_gpu_launchers as bl
+
+    cap = PHASES["launchers"].rehearse_cap_s if ctx.rehearse else PHASES["launchers"].cap_s
+    t0, rows, bad = time.monotonic(), {}, []
+    for name in ("3p_a2_r1", "3p_hybrid", "1p_with_reward", "8p_hybrid_with_reward"):
+        left = cap - (time.monotonic() - t0) - 5
+        with tempfile.TemporaryDirectory(prefix=f"gpu_day_{name}_") as tmp:
+            rows[name] = bl.run_launcher(name, Path(tmp) / name, cuda=ctx.device.type == "cuda",
+                                         timeout_s=max(30, int(left)))
+        ctx.numbers["rows"] = rows
+        ctx.save()
+        bad += [] if rows[name].get("ok") else [f"{name}: {rows[name].get('error') or bl.format_row(rows[name])}"]
+    if bad:
+        raise PhaseFailed("; ".join(bad))

@@ -97,7 +97,7 @@ def whole_step(ctx, name: str) -> dict:
     t0, t1, t2, timings, metrics, peak = rows[-1]
     images = len(prompts)
     device_name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"
-    tflops = peak_tflops_for(device_name, m.dtype)
+    tflops = peak_tflops_for(device_name, m.dtype, tf32=m.tf32)  # fp32 recipes run on TF32 cores (engine/roles.py)
     config = dict(pipe.transformer.config)
     if cfg.algo.name == "flow_grpo":
         flops = flow_grpo_step_flops(config, resolution=m.resolution, text_len=text_len, images=images,
@@ -112,7 +112,7 @@ def whole_step(ctx, name: str) -> dict:
            "rollout_s": t1 - t0, "train_s": t2 - t1, **{k: timings.get(k) for k in
                                                         ("generate_s", "decode_s", "reward_wait_s", "reward_compute_s")},
            "images_per_s_per_gpu": images / (t2 - t0), "step_tflop": flops / 1e12,
-           "mfu": mfu(flops, t2 - t0, 1, tflops), "peak_gib": peak, "grad_norm": metrics.get("grad_norm"),
+           "mfu": mfu(flops, t2 - t0, 1, tflops), "peak_tflops": tflops, "peak_gib": peak, "grad_norm": metrics.get("grad_norm"),
            "optimizer_steps": metrics.get("optimizer_steps"), "grad_zero_frac": metrics.get("grad_zero_frac"),
            "loss_scale": metrics.get("loss_scale"), "reward_mean": float(rewards.mean())}
     from _gpu_day_phases import check_finite

@@ -234,7 +234,7 @@ class ActorWorker:
             for s in range(0, len(batch), mb):
                 idx = torch.arange(s, min(s + mb, len(batch)))
                 k = plan[idx, j]
-                out[idx, k] = self._replay(self.transformer, batch, idx, k).log_prob.cpu()
+                out[idx, k] = self._replay(self.transformer, batch, idx, k).log_prob.to(out.device)
         return out
 
     def update(self, batch: RolloutBatch, advantages: torch.Tensor, step: int) -> dict[str, float]:
