@@ -61,7 +61,7 @@ def cmd_plan(args) -> int:
     quiet_libraries()
     from gerl.plan import format_plan, plan_for_config
 
-    plan = plan_for_config(cfg)
+    plan = plan_for_config(cfg, card=f"{args.card} GB")
     print(json.dumps(plan.to_dict(), indent=1) if args.json else format_plan(plan).rstrip("\n"))
     if cfg.algo.name == "dgpo":  # (the per-algorithm planner is not in yet)
         print("gerl plan: algo.name=dgpo is not modelled yet: the training phase above is Flow-GRPO's replay (one "
@@ -472,6 +472,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     pl.add_argument("overrides", nargs="*", default=[], metavar="key=value",
                     help="optional dotted overrides, as for train, e.g. engine.hybrid=false train.micro_batch_size=4")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON instead of the table")
+    pl.add_argument("--card", choices=["24", "40", "48", "80", "141"], default="80",
+                    help="the card size in GB that a configuration must fit on one device; when it does not, the "
+                    "plan names the smallest changes that do (default: 80)")
     pl.set_defaults(fn=cmd_plan)
     s = sub.add_parser("sample", help="generate images from the base model or a LoRA")
     _model_args(s)

@@ -266,13 +266,21 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     r = _cli(str(tmp_path / "nope.yaml"), timeout=120)  # the contract, as a real process
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("gerl: error: ") and "does not exist" in r.stderr
+    unet = tmp_path / "sdxl" / "transformer"  # a pipeline of a family gerl does not train
+    unet.mkdir(parents=True)
+    (unet / "config.json").write_text(json.dumps({"_class_name": "UNet2DConditionModel"}))
     for argv, pattern in [([TINY, "model.dtyp=fp16"], "did you mean 'model.dtype'"),
+                          ([TINY, f"model.path={unet.parent}"], "UNet2DConditionModel, which gerl cannot train"),
                           ([TINY, "model.path=nobody/nothing-here"], "not in the local HF cache"),
                           ([TINY, f"model.path={tmp_path}"], "config.json is missing"),
                           ([TINY, "model.resolution=4000"], "positional table holds 32")]:
         assert main(["plan", *argv]) == 2, argv
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("gerl: error: ") and pattern in err, err
+    with pytest.raises(SystemExit) as exit_:  # a flag argparse refuses: its one line, exit 2
+        main(["plan", TINY, "--card", "60"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and "invalid choice: '60'" in err, err
 
 
 def test_a_gpu_run_prints_its_plan_and_logs_it_beside_the_measured_peak(tmp_path, monkeypatch, capsys):

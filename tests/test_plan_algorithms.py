@@ -14,7 +14,6 @@ allocated once, and neither is what the plan counts (fake tensors see each op's 
 
 from __future__ import annotations
 
-import bisect
 import json
 from pathlib import Path
 
@@ -29,6 +28,8 @@ from gerl.plan.arch import module_from_config
 from gerl.sampling.loop import Embeds, Schedule, Trajectory, denoise
 from gerl.workers.actor import ActorWorker
 from gerl.workers.batch import RolloutBatch
+from tests.plan_allocator import existing_bytes as _existing_bytes
+from tests.plan_allocator import scratch_free_peak as _scratch_free_peak
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = {a: str(REPO / "recipes" / f"{a}_sd3_ocr.yaml") for a in ("flow_grpo", "nft", "awm")}
@@ -37,9 +38,6 @@ RES, CLIP, T5, WIDTH = 128, 16, 8, 256  # px; CLIP and T5 tokens; text width
 LATENT = (16, RES // 8, RES // 8)
 B = 2  # images per step: one optimizer step of two training micro-batches
 BOUND = 0.02  # |planned − measured| / measured (measured: within 0.5 %, docs/plan.md)
-# every kernel whose internal scratch is taken out of the measure: the GEMMs and the CPU flash attention
-KERNELS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_dot_product_flash_attention_for_cpu",
-           "aten::_scaled_dot_product_flash_attention_for_cpu_backward"}
 
 
 @pytest.fixture(scope="module")
@@ -106,41 +104,6 @@ def _batch(cfg) -> RolloutBatch:
     return RolloutBatch(prompts=["a"] * B, metadata=[{}] * B, group_ids=torch.zeros(B, dtype=torch.long),
                         embeds=_embeds(B, DTYPES[cfg.model.dtype], cfg.sampling.guidance_scale > 1, g),
                         schedule=Schedule(sigmas, sigmas[:-1] * 1000), traj=traj, images=[None] * B, policy_version=0)
-
-
-def _scratch_free_peak(program) -> tuple[int, int]:
-    """(peak of the allocator's running sum with each KERNELS call's events netted at its end, the raw peak) over
-    `program()`, in bytes above what was live when it started."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        program()
-    events = list(prof.profiler.kineto_results.events())
-    kernels = sorted((e.start_ns(), e.end_ns()) for e in events if e.name() in KERNELS)
-    starts = [k[0] for k in kernels]
-    raw = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
-    net: dict[int, int] = {}
-    kept = []
-    for t, n in raw:
-        i = bisect.bisect_right(starts, t) - 1
-        if i >= 0 and t <= kernels[i][1]:
-            net[i] = net.get(i, 0) + n
-        else:
-            kept.append((t, n))
-    kept = sorted(kept + [(kernels[i][1], n) for i, n in net.items()])
-
-    def peak(evs):
-        live = top = 0
-        for _, n in evs:
-            live += n
-            top = max(top, live)
-        return top
-    return peak(kept), peak(raw)
-
-
-def _existing_bytes(module) -> int:
-    unique = {id(t): t for t in [*module.parameters(), *module.buffers()]}
-    return sum(t.numel() * t.element_size() for t in unique.values())
 
 
 # (algo, dtype, LoRA, checkpointing, the phase that makes the actor's peak) — the last shows what each case checks:

@@ -1,10 +1,13 @@
 """The model's architecture from its configs alone: each weighted component built on the meta device.
 
 model.path → where the configs come from:
-    stabilityai/stable-diffusion-3.5-medium → assets/configs/sd3.5-medium (gerl.models.sd35_arch), no download
-    tiny                                     → gerl.models.tiny's builders (seeded, offline)
-    ocr-mini, a local diffusers directory    → its <component>/config.json
-    another hub id                           → its configs in the local HF cache (local_files_only), else a UserError
+    a hub id whose configs ship here          → assets/configs/<folder> (gerl.models.arch.HUB_IDS: SD3.5-Medium,
+      (or that folder's name)                   FLUX.1-dev, FLUX.1-schnell, Qwen-Image), no download
+    tiny, tiny-flux, tiny-qwenimage, ...      → the family's offline tiny builder (seeded)
+    ocr-mini, a local diffusers directory     → its <component>/config.json (assets/configs/flux.1-dev is one)
+    another hub id                            → its configs in the local HF cache (local_files_only), else a UserError
+Which components are read is the model family's list (gerl.models.family: SD3's five, FLUX's four, Qwen-Image's
+three), found from the transformer's class.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Any
 import torch
 
 from gerl.errors import UserError
-from gerl.models.loader import WEIGHTED_COMPONENTS, resolve_model_path
+from gerl.models.loader import resolve_model_path
 
 SD35_MEDIUM = "stabilityai/stable-diffusion-3.5-medium"
 DIFFUSERS_COMPONENTS = ("transformer", "vae")
@@ -70,11 +73,15 @@ class Architecture:
 def check_resolution(path: str, resolution: int, what: str, tiny_seed: int = 0) -> None:
     """A UserError naming `what` when `resolution` is beyond what model `path` can generate (read from its configs,
     before any weights load). Silent when the configs cannot be read here: loading the model then says why."""
+    from gerl.models.family import TINY_MODELS
+
     try:
         if path == "tiny":  # its constructor arguments, not the built pipeline: no diffusers import for a size check
             from gerl.models.tiny import TRANSFORMER_KWARGS, VAE_KWARGS
 
             arch = Architecture("the tiny SD3", {"transformer": TRANSFORMER_KWARGS, "vae": VAE_KWARGS})
+        elif path in TINY_MODELS:  # the other tiny models have no position table (RoPE): nothing to check
+            return
         else:
             arch = architecture(path, tiny_seed)
         if "transformer" not in arch.configs or "vae" not in arch.configs:
@@ -112,42 +119,73 @@ def module_from_config(component: str, cfg: dict) -> torch.nn.Module:
     return cls(transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg))
 
 
+def _read(f: Path, what: str) -> dict:
+    try:
+        return json.loads(f.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{what}: cannot read {f} ({str(e).splitlines()[0]})") from None
+
+
+def _family_components(transformer_cfg: dict, what: str) -> tuple[str, ...]:
+    """The weighted components of the family whose transformer the config names (gerl.models.family)."""
+    from gerl.models.family import families, supported
+
+    name = str(transformer_cfg.get("_class_name", ""))
+    for f in families().values():
+        if f.transformer_class == name:
+            return f.components
+    raise UserError(f"{what}: its transformer is {name or 'unnamed'}, which gerl cannot train; it trains {supported()}")
+
+
 def _configs_in(directory: Path, what: str) -> dict[str, dict]:
-    configs = {}
-    for c in WEIGHTED_COMPONENTS:
-        f = directory / c / "config.json"
-        if not f.is_file():
-            raise UserError(f"{what}: {f} is missing; `gerl plan` reads each of "
-                            f"{', '.join(WEIGHTED_COMPONENTS)} from <component>/config.json")
-        try:
-            configs[c] = json.loads(f.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise UserError(f"{what}: cannot read {f} ({str(e).splitlines()[0]})") from None
+    """Each weighted component's config.json under `directory`: the transformer's first, which names the family and
+    so the components to read."""
+    def path(c: str) -> Path:
+        return directory / c / "config.json"
+
+    if not path("transformer").is_file():
+        raise UserError(f"{what}: {path('transformer')} is missing; `gerl plan` reads each component's "
+                        "<component>/config.json of a diffusers pipeline directory")
+    configs = {"transformer": _read(path("transformer"), what)}
+    comps = _family_components(configs["transformer"], what)
+    for c in comps[1:] if comps[0] == "transformer" else comps:
+        if not path(c).is_file():
+            raise UserError(f"{what}: {path(c)} is missing; `gerl plan` reads each of {', '.join(comps)} from "
+                            "<component>/config.json")
+        configs[c] = _read(path(c), what)
     return configs
+
+
+def _tiny(path: str, tiny_seed: int) -> Architecture:
+    """A tiny offline model's live configs and classes, from its family's builder."""
+    from gerl.models.family import TINY_MODELS, families
+
+    fam = families()[TINY_MODELS[path][0]]
+    pipe = fam.build_tiny(tiny_seed, TINY_MODELS[path][1])
+    mods = {c: getattr(pipe, c) for c in fam.components}
+    return Architecture(f"the tiny {fam.title} of model.path={path}", {c: m.config for c, m in mods.items()},
+                        {c: type(m) for c, m in mods.items()})
 
 
 def architecture(path: str, tiny_seed: int = 0) -> Architecture:
     """The configs of model.path (see the module docstring). Errors name the path and what to do."""
-    if path == SD35_MEDIUM:
-        from gerl.models import sd35_arch
+    from gerl.models import arch as shipped
+    from gerl.models.family import TINY_MODELS
 
-        where = sd35_arch.CONFIG_DIR.relative_to(sd35_arch.CONFIG_DIR.parents[2])
-        return Architecture(f"SD3.5-Medium configs in {where}",
-                            {c: sd35_arch.load_config(c) for c in WEIGHTED_COMPONENTS})
-    if path == "tiny":
-        from gerl.models.tiny import build_tiny_sd3
-
-        pipe = build_tiny_sd3(tiny_seed)
-        mods = {c: getattr(pipe, c) for c in WEIGHTED_COMPONENTS}
-        return Architecture("the tiny SD3 of gerl.models.tiny", {c: m.config for c, m in mods.items()},
-                            {c: type(m) for c, m in mods.items()})
+    folder = shipped.HUB_IDS.get(path, path if path in shipped.HUB_IDS.values() else None)
+    if folder is not None and (shipped.CONFIGS / folder).is_dir():
+        where = (shipped.CONFIGS / folder).relative_to(shipped.CONFIGS.parents[1])
+        return Architecture(f"{folder} configs in {where}",
+                            {c: shipped.load_config(folder, c) for c in shipped.components(folder)})
+    if path in TINY_MODELS:
+        return _tiny(path, tiny_seed)
     local = resolve_model_path(path)
     if Path(local).is_dir():
         return Architecture(f"configs in {local}", _configs_in(Path(local), f"model.path {path}"))
     if Path(local).exists():
         raise UserError(f"model.path {path} is a file; pass a diffusers pipeline directory or a hub id")
     if not re.fullmatch(r"[\w.\-]+/[\w.\-]+", path):
-        raise UserError(f"model.path {path!r} is neither 'tiny', an existing directory, nor a hub id like "
+        raise UserError(f"model.path {path!r} is neither a tiny model, an existing directory, nor a hub id like "
                         f"{SD35_MEDIUM}")
     try:
         from huggingface_hub import snapshot_download

@@ -31,7 +31,9 @@ def fake_mode():
 
 def fakeify(module: torch.nn.Module, mode) -> torch.nn.Module:
     """Replace every parameter and buffer of `module` (built on meta) by a CPU fake tensor of the same shape, dtype
-    and requires_grad, in place. A tensor shared between submodules (T5's tied embedding) stays shared."""
+    and requires_grad, in place. A tensor shared between submodules (T5's tied embedding) stays shared. Tensors a
+    submodule holds as plain attributes are replaced too (Qwen-Image's RoPE tables: complex, kept out of the buffers
+    so that a dtype cast leaves them complex)."""
     swapped: dict[int, torch.Tensor] = {}
     with mode:
         for m in module.modules():
@@ -42,6 +44,11 @@ def fakeify(module: torch.nn.Module, mode) -> torch.nn.Module:
                     if id(t) not in swapped:
                         swapped[id(t)] = make(t)
                     table[name] = swapped[id(t)]
+            for name, t in list(vars(m).items()):
+                if isinstance(t, torch.Tensor):
+                    if id(t) not in swapped:
+                        swapped[id(t)] = _fake_buffer(t)
+                    setattr(m, name, swapped[id(t)])
     return module
 
 

@@ -4,17 +4,22 @@ The phases (gerl/plan/phases.py) and what each algorithm holds and runs (gerl/pl
 `PlanFamily` alone: which weighted parts a role loads and how each is built on the meta device, the latent a
 resolution gives, what a micro-batch carries to the device, the velocity forward, the text encoders' forward and
 the VAE decode. A family plugs in by implementing it and registering a builder in FAMILIES under its transformer's
-class name (as diffusers' configs spell it in `_class_name`); SD3 / SD3.5 is gerl/plan/sd3.py.
+class name (as diffusers' configs spell it in `_class_name`): SD3 / SD3.5 is gerl/plan/sd3.py, FLUX.1
+gerl/plan/flux.py, Qwen-Image gerl/plan/qwenimage.py. Each runs its model family's own code (gerl/models/<family>.py:
+the velocity with its packing and guidance, the latent shape, the decode) on fake tensors wherever that code is free
+of host-side work, and describes by hand only what needs a tokenizer or reads values (the text encoders' inputs).
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any, Callable, Protocol
 
 import torch
 
 from gerl.config import ModelConfig
 from gerl.errors import UserError
+from gerl.models.loader import ROLE_COMPONENTS
 from gerl.plan.arch import Architecture, architecture
 
 
@@ -36,6 +41,10 @@ class PlanFamily(Protocol):
     def describe(self) -> str:
         """The conditioning in words, for the header ("text 77 CLIP + 256 T5 tokens")."""
 
+    def uses_negative(self, guidance: float) -> bool:
+        """Whether the velocity at this guidance runs a negative (unconditional) branch: the model family's answer
+        (SD3's CFG and Qwen-Image's true CFG above 1; never FLUX.1, whose guidance is an embedding)."""
+
     def conditioning(self, b: int, guided: bool, dtype: torch.dtype) -> Any:
         """What a micro-batch of b samples carries to the device besides its latents (cached text embeddings; the
         negative ones too when `guided`), as the workers hold it."""
@@ -56,8 +65,46 @@ def _sd3(arch: Architecture, model: ModelConfig) -> PlanFamily:
     return SD3Plan(arch, model.max_sequence_length)
 
 
+def _flux(arch: Architecture, model: ModelConfig) -> PlanFamily:
+    from gerl.plan.flux import FluxPlan
+
+    return FluxPlan(arch, model.max_sequence_length)
+
+
+def _qwenimage(arch: Architecture, model: ModelConfig) -> PlanFamily:
+    from gerl.plan.qwenimage import QwenImagePlan
+
+    return QwenImagePlan(arch, model.max_sequence_length)
+
+
 # transformer class name → builder of its family from the configs and the model's settings
-FAMILIES: dict[str, Callable[[Architecture, ModelConfig], PlanFamily]] = {"SD3Transformer2DModel": _sd3}
+FAMILIES: dict[str, Callable[[Architecture, ModelConfig], PlanFamily]] = {
+    "SD3Transformer2DModel": _sd3, "FluxTransformer2DModel": _flux, "QwenImageTransformer2DModel": _qwenimage}
+
+
+# ------------------------------------------------------------------ helpers the families share
+
+def role_components(model_family, role: str) -> tuple[str, ...]:
+    """What a host of `role` loads (gerl.models.loader.ROLE_COMPONENTS, as gerl/engine/roles.py asks the loader):
+    the actor the transformer alone, the rollout every weighted part of its model family."""
+    return tuple(c for c in model_family.components if c in ROLE_COMPONENTS[role])
+
+
+def pipe_view(arch: Architecture, transformer) -> SimpleNamespace:
+    """What a model family's `latent_shape(pipe, resolution)` reads of a pipeline — the transformer and the VAE's
+    config — without building the VAE."""
+    vae = arch.configs["vae"]
+    return SimpleNamespace(transformer=transformer,
+                           vae=SimpleNamespace(config=SimpleNamespace(**vae) if isinstance(vae, dict) else vae))
+
+
+def rollout_decode(model_family, vae, latents: torch.Tensor) -> None:
+    """gerl.workers.rollout.decode of latents (b, *latent) up to the host copy (no grad): the family's decode, the
+    float images, the non-finite check and the uint8 images."""
+    with torch.no_grad():
+        x = model_family.decode(vae, latents).float()
+        (~torch.isfinite(x.flatten(1))).any(1).sum()
+        ((x / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).contiguous()
 
 
 def transformer_class(arch: Architecture) -> str:

@@ -34,7 +34,7 @@ class Work:
     cfg: Config
 
     def cond(self, b: int, guidance: float):
-        return self.fam.conditioning(b, guidance > 1.0, self.dtype)
+        return self.fam.conditioning(b, self.fam.uses_negative(guidance), self.dtype)
 
     def latents(self, b: int) -> torch.Tensor:
         return torch.empty(b, *self.latent)
@@ -196,7 +196,7 @@ def optimizer_step(opt: torch.optim.Optimizer, params: list[torch.nn.Parameter],
     """Unscale (fp16 loss scaling), clip the gradient norm, step: the foreach temporaries (one copy of the state)."""
     def run():
         if loss_scaled:
-            grads = [p.grad for p in params]
+            grads = [p.grad for p in params if p.grad is not None]
             torch._foreach_mul_(grads, 0.5)
             torch.stack([torch.isfinite(g).all() for g in grads]).all()
         if cfg.train.max_grad_norm > 0:

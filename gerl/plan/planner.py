@@ -21,6 +21,7 @@ from gerl.models.loader import DTYPES, add_lora
 from gerl.plan import phases, work
 from gerl.plan.count import fake_mode, fakeify, peak_bytes
 from gerl.plan.family import family_for
+from gerl.plan.fit import DEFAULT_CARD, Fit, smallest_changes
 from gerl.plan.work import GIB, TRAIN, Item, State
 
 # Cards by their marketed size, with the capacity CUDA reports for a typical one (torch's total_memory, the "total
@@ -109,6 +110,7 @@ class MemoryPlan:
     roles: list[RolePlan]
     notes: list[str]
     elapsed_s: float
+    fit: Fit | None = None  # the target card: whether every role fits, else the smallest changes that do (fit.py)
     reserve_gib: float = RESERVE_GIB
     fragmentation: float = FRAGMENTATION
 
@@ -176,11 +178,13 @@ def card_fits(role: RolePlan, gradient_checkpointing: bool) -> list[CardFit]:
     return out
 
 
-def plan_for_config(cfg: Config, awm_old_forward: bool | None = None) -> MemoryPlan:
+def plan_for_config(cfg: Config, awm_old_forward: bool | None = None, card: str | None = DEFAULT_CARD) -> MemoryPlan:
     """The memory plan of a validated config (gerl.config.load_config). Builds nothing on a device: seconds on a CPU.
 
     awm_old_forward: whether AWM runs its no-grad old-log-prob forward; None = as the trainer decides
-    (gerl.plan.work.awm_old_forward: only when an update takes more than one optimizer step)."""
+    (gerl.plan.work.awm_old_forward: only when an update takes more than one optimizer step).
+    card: the card (a CARDS name, "80 GB") for which a configuration that does not fit gets the smallest changes
+    that do (gerl/plan/fit.py; the decoupled placement is planned again when nothing else fits); None: no search."""
     t0 = time.perf_counter()
     m = cfg.model
     fam = family_for(m)
@@ -194,23 +198,23 @@ def plan_for_config(cfg: Config, awm_old_forward: bool | None = None) -> MemoryP
     else:
         tr.requires_grad_(True)
     latent = fam.latent(m.resolution, tr)
-    trained = [p for p in tr.parameters() if p.requires_grad]
-    residents = work.resident_items(cfg, fam, modules, trained)
 
     mode = fake_mode()
     for mod in modules.values():
         fakeify(mod, mode)
     trained = [p for p in tr.parameters() if p.requires_grad]
     training = bool({"actor", "hybrid"} & set(roles))
+    w = phases.Work(fam, latent, dtype, cfg)
+    graded = _receiving_gradients(tr, trained, w, mode) if training else trained
+    residents = work.resident_items(cfg, fam, modules, trained, graded)
     with mode:  # the state the actor keeps between micro-batches exists before each phase: never counted in one
-        for p in trained:  # accumulated gradients exist during every micro-batch but a mini-batch's first
+        for p in graded:  # accumulated gradients exist during every micro-batch but a mini-batch's first
             p.grad = torch.zeros_like(p)
         copies = lambda: [torch.empty_like(p) for p in trained]  # noqa: E731
         state = State(trained, copies() if cfg.algo.name != "flow_grpo" else None,
                       copies() if cfg.train.ema_decay > 0 else None,
                       phases.make_optimizer(trained, cfg) if training else None)
     old_forward = work.awm_old_forward(cfg) if awm_old_forward is None else awm_old_forward
-    w = phases.Work(fam, latent, dtype, cfg)
     measurer = _Measurer(cfg, mode, tr)
     role_plans = []
     for r in roles:
@@ -221,13 +225,33 @@ def plan_for_config(cfg: Config, awm_old_forward: bool | None = None) -> MemoryP
         rp = RolePlan(r, resident, plan_phases)
         rp.cards = card_fits(rp, m.gradient_checkpointing)
         role_plans.append(rp)
+    fit = None
+    if card is not None:
+        capacity = dict((c, cap) for c, cap, _ in CARDS)[card]
+        fit = smallest_changes(cfg, role_plans, card, capacity,
+                               lambda other: plan_for_config(other, awm_old_forward, card=None).roles)
     return MemoryPlan(
         model=m.path, source=fam.source, dtype=m.dtype, resolution=m.resolution, latent=tuple(latent),
         inputs=fam.describe(), placement=_placement(cfg, roles), algo=cfg.algo.name,
         training_forwards=work.training_forwards(cfg, old_forward) if training else [],
         awm_old_forward=old_forward if cfg.algo.name == "awm" else None,
         gradient_checkpointing=m.gradient_checkpointing, roles=role_plans, notes=_notes(cfg, roles, state),
-        elapsed_s=round(time.perf_counter() - t0, 2))
+        elapsed_s=round(time.perf_counter() - t0, 2), fit=fit)
+
+
+def _receiving_gradients(tr, trained: list, w: phases.Work, mode) -> list:
+    """The trained parameters that a training step gives a gradient, found by running the actor's training program
+    once on fake tensors (micro-batch 1). Not every one gets one: Qwen-Image's last block computes a text stream
+    that nothing reads, so its adapter (or, fully fine-tuned, its weights) gets none, and the actor's AdamW keeps no
+    state for a parameter without a gradient."""
+    train = phases.flow_grpo_train if w.cfg.algo.name == "flow_grpo" else phases.matching_train
+    tr.train()
+    with mode:
+        train(tr, 1, w)()
+    graded = [p for p in trained if p.grad is not None]
+    for p in trained:
+        p.grad = None
+    return graded
 
 
 class _Measurer:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from gerl.plan.fit import Change, Fit
 from gerl.plan.planner import MemoryPlan, RolePlan
 
 W = 74  # width of the name column
@@ -41,6 +42,24 @@ def format_role(r: RolePlan, checkpointing: bool, unit: str = "GiB") -> list[str
     return lines
 
 
+def format_fit(fit: Fit) -> list[str]:
+    """The target card's verdict and, when it does not fit, the changes that do, the smallest first."""
+    card = f"{fit.card} card ({fit.capacity_gib:g} GiB)"
+    if fit.fits:
+        return [f"fits one {card} as configured"]
+    if not fit.changes:
+        return [f"does not fit one {card}, and nothing gerl plan tries does: " + "; ".join(fit.tried)
+                + " (a larger card: the table above)"]
+    def line(c: Change) -> str:
+        peaks = ", ".join(f"{r} {p:.2f} GiB" for r, p in c.peaks.items())
+        return f"{' '.join(c.overrides)}  ({peaks}; headroom {c.headroom_gib:.2f})"
+    out = [f"does not fit one {card}; the smallest change that fits:", f"  {line(fit.changes[0])}"]
+    if len(fit.changes) > 1:
+        out.append("other changes that fit, in the order tried (docs/plan.md, 'The smallest change that fits'):")
+        out += [f"  {line(c)}" for c in fit.changes[1:]]
+    return out
+
+
 def format_plan(plan: MemoryPlan) -> str:
     """The plan as text: a header, then per role its resident lines, phases, peak and card verdicts."""
     out = [f"gerl plan: {plan.model} ({plan.source})",
@@ -57,6 +76,8 @@ def format_plan(plan: MemoryPlan) -> str:
         out += format_role(r, plan.gradient_checkpointing, unit) + [""]
     out.append("headroom: GiB left on the card after the margin; max mb: the largest micro-batch that fits with the "
                "other micro-batches as configured (- = none)")
+    if plan.fit is not None:
+        out += format_fit(plan.fit)
     out += [f"note: {n}" for n in plan.notes]
     out.append(f"planned in {plan.elapsed_s:.1f} s on fake tensors (docs/plan.md: what is counted and how)")
     return "\n".join(out) + "\n"

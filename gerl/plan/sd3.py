@@ -14,7 +14,9 @@ import torch
 
 from gerl.errors import UserError
 from gerl.models.loader import ROLE_COMPONENTS
+from gerl.models.sd3 import SD3
 from gerl.plan.arch import Architecture, _get
+from gerl.plan.family import rollout_decode
 from gerl.sampling.loop import Embeds, predict_velocity
 
 LABELS = {"transformer": "transformer", "vae": "VAE", "text_encoder": "CLIP-L", "text_encoder_2": "CLIP-G",
@@ -53,6 +55,9 @@ class SD3Plan:
     def describe(self) -> str:
         return f"text {self.arch.clip_tokens()} CLIP + {self.t5_tokens} T5 tokens"
 
+    def uses_negative(self, guidance: float) -> bool:
+        return SD3().uses_negative(guidance)
+
     def conditioning(self, b: int, guided: bool, dtype: torch.dtype) -> Embeds:
         """Cached text embeddings moved to the device: prompt (b, Lc + Lt, D) and pooled (b, P) in model.dtype."""
         tf = self.arch.configs["transformer"]
@@ -78,9 +83,4 @@ class SD3Plan:
             encode_token_ids([encoders[c] for c in ("text_encoder", "text_encoder_2", "text_encoder_3")], ids)
 
     def decode(self, vae, latents: torch.Tensor) -> None:
-        """gerl.workers.rollout.decode up to the host copy: the fp32 decode and the uint8 images."""
-        with torch.no_grad():
-            z = latents / _get(vae.config, "scaling_factor") + _get(vae.config, "shift_factor")
-            x = vae.decode(z.to(vae.dtype), return_dict=False)[0].float()
-            (~torch.isfinite(x.flatten(1))).any(1).sum()
-            ((x / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).contiguous()
+        rollout_decode(SD3(), vae, latents)

@@ -105,9 +105,11 @@ def training_forwards(cfg: Config, old_forward: bool) -> list[str]:
     return out
 
 
-def resident_items(cfg: Config, fam, modules: dict, trained: list) -> dict[str, list[Item]]:
+def resident_items(cfg: Config, fam, modules: dict, trained: list, graded: list) -> dict[str, list[Item]]:
     """Resident lines by owner: each component's weights (the transformer's with its LoRA adapter), and the
-    training state ("actor") and staging buffer ("rollout") of the roles."""
+    training state ("actor") and staging buffer ("rollout") of the roles. Gradients and AdamW state exist for the
+    `graded` parameters, those a training step gives a gradient; the EMA, the anchor and the staged weights copy
+    every trained one."""
     m, t, a = cfg.model, cfg.train, cfg.algo
     out = {}
     for c, mod in modules.items():
@@ -120,8 +122,10 @@ def resident_items(cfg: Config, fam, modules: dict, trained: list) -> dict[str, 
         n = sum(p.numel() for p in trained)
         out["transformer"].append(Item(f"LoRA adapter r{m.lora_rank} (fp32)", _gib(adapter), f"{_count(n)} params"))
     what = "fp32 LoRA" if m.lora else DTYPE_NAMES[trained[0].dtype] + ", full fine-tuning"
-    actor = [Item(f"gradients ({what})", _gib(adapter)),
-             Item(f"AdamW exp_avg + exp_avg_sq ({what})", _gib(2 * adapter))]
+    grads = tensor_bytes(graded)
+    unused = "" if len(graded) == len(trained) else f"{len(trained) - len(graded)} tensors get none"
+    actor = [Item(f"gradients ({what})", _gib(grads), unused),
+             Item(f"AdamW exp_avg + exp_avg_sq ({what})", _gib(2 * grads))]
     if t.beta > 0 and not m.lora:
         actor.append(Item(f"frozen reference copy (train.beta={t.beta:g})", out["transformer"][0].gib))
     if t.ema_decay > 0:
@@ -183,7 +187,8 @@ def _rollout_phases(cfg: Config, role: str, modules: dict, w: phases.Work, st: S
     gen = (st.trained, st.anchor) if "generation" in where else None
     val = (st.trained, st.shadow) if "validation" in where else None
     held = ", anchor swapped in" if gen else ""
-    guide = "CFG, " if smp.guidance_scale > 1 else ""
+    fam = w.fam
+    guide = "CFG, " if fam.uses_negative(smp.guidance_scale) else ""
     recorded = recorded_steps(cfg)
     out = [(f"text encoders{' (anchor swapped in)' if gen else ''}", SAMPLE,
             lambda b: phases.text_encode(encoders, b, w, gen), None),
@@ -193,10 +198,10 @@ def _rollout_phases(cfg: Config, role: str, modules: dict, w: phases.Work, st: S
             lambda b: phases.vae_decode(vae, b, w, smp.guidance_scale, recorded, gen), None)]
     if cfg.validation.every == -1:
         return out
-    eval_cfg = smp.eval_guidance_scale > 1 >= smp.guidance_scale
+    eval_cfg = fam.uses_negative(smp.eval_guidance_scale) and not fam.uses_negative(smp.guidance_scale)
     if val or eval_cfg:  # otherwise validation runs what generation runs, without its recorded steps
         ema = ", EMA swapped in" if val else ""
-        guide = "CFG, " if smp.eval_guidance_scale > 1 else ""
+        guide = "CFG, " if fam.uses_negative(smp.eval_guidance_scale) else ""
         out.append((f"validation denoising forward ({guide}no grad{ema})", SAMPLE,
                     lambda b: phases.denoise_step(tr, b, w, smp.eval_guidance_scale, 0, val), None))
     if val:
