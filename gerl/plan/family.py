@@ -12,8 +12,9 @@ of host-side work, and describes by hand only what needs a tokenizer or reads va
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, ClassVar, Protocol
 
 import torch
 
@@ -83,6 +84,36 @@ FAMILIES: dict[str, Callable[[Architecture, ModelConfig], PlanFamily]] = {
 
 
 # ------------------------------------------------------------------ helpers the families share
+
+@dataclass
+class ArchPlan:
+    """What every plan family holds the same way: the published configs (`arch`), a label per component, and each
+    component built on the meta device in the model's dtype, the VAE in fp32 (as gerl.models.loader loads it)."""
+    arch: Architecture
+    labels: ClassVar[dict[str, str]] = {}
+
+    @property
+    def source(self) -> str:
+        return self.arch.source
+
+    def label(self, component: str) -> str:
+        return self.labels[component]
+
+    def build(self, component: str, dtype: torch.dtype) -> torch.nn.Module:
+        return self.arch.build_meta(component, torch.float32 if component == "vae" else dtype)
+
+
+@dataclass
+class ModelFamilyPlan(ArchPlan):
+    """A plan family whose components and latent shape come from its gerl.models family (FLUX.1, Qwen-Image)."""
+    model_family: ClassVar[Any] = None
+
+    def components(self, role: str) -> tuple[str, ...]:
+        return role_components(self.model_family, role)
+
+    def latent(self, resolution: int, transformer) -> tuple[int, int, int]:
+        return self.model_family.latent_shape(pipe_view(self.arch, transformer), resolution)
+
 
 def role_components(model_family, role: str) -> tuple[str, ...]:
     """What a host of `role` loads (gerl.models.loader.ROLE_COMPONENTS, as gerl/engine/roles.py asks the loader):

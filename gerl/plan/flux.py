@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from gerl.models.flux import Flux
-from gerl.plan.arch import Architecture, _get
-from gerl.plan.family import pipe_view, role_components, rollout_decode
+from gerl.plan.arch import _get
+from gerl.plan.family import ModelFamilyPlan, rollout_decode
 from gerl.sampling.loop import Embeds, predict_velocity
 
 LABELS = {"transformer": "transformer", "vae": "VAE", "text_encoder": "CLIP-L", "text_encoder_2": "T5 encoder"}
@@ -24,25 +24,10 @@ FAMILY = Flux()
 
 
 @dataclass
-class FluxPlan:
-    arch: Architecture
+class FluxPlan(ModelFamilyPlan):
+    labels = LABELS
+    model_family = FAMILY
     t5_tokens: int  # model.max_sequence_length
-
-    @property
-    def source(self) -> str:
-        return self.arch.source
-
-    def components(self, role: str) -> tuple[str, ...]:
-        return role_components(FAMILY, role)
-
-    def label(self, component: str) -> str:
-        return LABELS[component]
-
-    def build(self, component: str, dtype: torch.dtype) -> torch.nn.Module:
-        return self.arch.build_meta(component, torch.float32 if component == "vae" else dtype)
-
-    def latent(self, resolution: int, transformer) -> tuple[int, int, int]:
-        return FAMILY.latent_shape(pipe_view(self.arch, transformer), resolution)
 
     def clip_tokens(self) -> int:
         return int(_get(self.arch.configs["text_encoder"], "max_position_embeddings"))

@@ -21,8 +21,8 @@ import torch
 
 from gerl.models.qwenimage import QwenImage
 from gerl.models.qwenimage_math import PROMPT_DROP_IDX
-from gerl.plan.arch import Architecture, _get
-from gerl.plan.family import pipe_view, role_components, rollout_decode
+from gerl.plan.arch import _get
+from gerl.plan.family import ModelFamilyPlan, rollout_decode
 from gerl.sampling.loop import Embeds, predict_velocity
 
 LABELS = {"transformer": "transformer", "vae": "VAE (5-D)", "text_encoder": "Qwen2.5-VL text encoder"}
@@ -33,25 +33,10 @@ NEGATIVE_TOKENS = 6
 
 
 @dataclass
-class QwenImagePlan:
-    arch: Architecture
+class QwenImagePlan(ModelFamilyPlan):
+    labels = LABELS
+    model_family = FAMILY
     text_tokens: int  # model.max_sequence_length: the longest prompt embedding
-
-    @property
-    def source(self) -> str:
-        return self.arch.source
-
-    def components(self, role: str) -> tuple[str, ...]:
-        return role_components(FAMILY, role)
-
-    def label(self, component: str) -> str:
-        return LABELS[component]
-
-    def build(self, component: str, dtype: torch.dtype) -> torch.nn.Module:
-        return self.arch.build_meta(component, torch.float32 if component == "vae" else dtype)
-
-    def latent(self, resolution: int, transformer) -> tuple[int, int, int]:
-        return FAMILY.latent_shape(pipe_view(self.arch, transformer), resolution)
 
     def describe(self) -> str:
         return (f"text up to {self.text_tokens} Qwen2.5-VL tokens (the encoder reads {PROMPT_DROP_IDX} template + "

@@ -15,8 +15,8 @@ import torch
 from gerl.errors import UserError
 from gerl.models.loader import ROLE_COMPONENTS
 from gerl.models.sd3 import SD3
-from gerl.plan.arch import Architecture, _get
-from gerl.plan.family import rollout_decode
+from gerl.plan.arch import _get
+from gerl.plan.family import ArchPlan, rollout_decode
 from gerl.sampling.loop import Embeds, predict_velocity
 
 LABELS = {"transformer": "transformer", "vae": "VAE", "text_encoder": "CLIP-L", "text_encoder_2": "CLIP-G",
@@ -24,22 +24,12 @@ LABELS = {"transformer": "transformer", "vae": "VAE", "text_encoder": "CLIP-L", 
 
 
 @dataclass
-class SD3Plan:
-    arch: Architecture
+class SD3Plan(ArchPlan):
+    labels = LABELS
     t5_tokens: int  # model.max_sequence_length
-
-    @property
-    def source(self) -> str:
-        return self.arch.source
 
     def components(self, role: str) -> tuple[str, ...]:
         return ROLE_COMPONENTS[role]
-
-    def label(self, component: str) -> str:
-        return LABELS[component]
-
-    def build(self, component: str, dtype: torch.dtype) -> torch.nn.Module:
-        return self.arch.build_meta(component, torch.float32 if component == "vae" else dtype)
 
     def latent(self, resolution: int, transformer) -> tuple[int, int, int]:
         factor, patch = self.arch.vae_factor(), transformer.config.patch_size
