@@ -55,6 +55,14 @@ class Host:
 
     def __init__(self, cfg, roles: tuple[str, ...], rank: int, world: int, actor_world: int, cores,
                  sync_ranks: list[int] | None, name: str = "host", threads: int | None = None):
+        # what a fresh process has, for reset() (a host kept for the next run: gerl/engine/pool.py)
+        self._fresh = {"threads": torch.get_num_threads(), "seed": torch.initial_seed(),
+                       "cpus": os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None}
+        self.reinit(cfg, roles, rank, world, actor_world, cores, sync_ranks, name, threads)
+
+    def reinit(self, cfg, roles: tuple[str, ...], rank: int, world: int, actor_world: int, cores,
+               sync_ranks: list[int] | None, name: str = "host", threads: int | None = None) -> None:
+        """What a new host does first; a pooled host does it again for its next run, after reset()."""
         from gerl import determinism
         from gerl.logging.quiet import quiet_libraries
 
@@ -70,6 +78,24 @@ class Host:
         self.actor_world, self.sync_ranks = actor_world, sync_ranks
         self.dp_group = self.sync_group = self.rollout = self.actor = None
         self.device = "cpu"
+
+    def reset(self) -> bool:
+        """After close(): back to what a fresh host is, for the next run (gerl/engine/pool.py) — the process group
+        left, the roles and their models dropped, torch's global generator, thread count and CPU affinity as the
+        process started. True when done (the pool kills a host whose reset raised or did not answer)."""
+        import gc
+
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        self.dp_group = self.sync_group = self.rollout = self.actor = None
+        gc.collect()
+        torch.manual_seed(self._fresh["seed"])
+        torch.set_num_threads(self._fresh["threads"])
+        if self._fresh["cpus"] is not None:
+            os.sched_setaffinity(0, self._fresh["cpus"])
+        return True
 
     def rendezvous(self) -> str:
         """This host's node address and a free port: rank 0 serves the torch.distributed store (any node)."""

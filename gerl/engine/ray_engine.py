@@ -24,7 +24,7 @@ import torch
 
 from gerl.config import gpu_topology, host_cpus, weight_sync_mode
 from gerl.engine import dist as gdist
-from gerl.engine import resources
+from gerl.engine import pool, resources
 from gerl.engine.host import Host
 from gerl.errors import RunAborted, UserError
 from gerl.workers.batch import merge
@@ -115,11 +115,22 @@ class RayEngine:
         self._host_cls = ray.remote(**groups)(Host) if groups else ray.remote(Host)
         self.stream = None
         self._spec: dict[int, tuple] = {}
+        # hosts a previous run on this Ray left idle, when the pool is on (gerl/engine/pool.py); the rest start fresh
+        self._pool_key = None if self._owns_ray else pool.key(ray, cfg, self._opts, bool(groups))
+        kept = pool.take(ray, self._pool_key, len(names)) if not self._owns_ray else []
+        self.reused_hosts = len(kept)
 
         def spawn(i, roles, rank, world_size):
             cores = None if self.use_gpu else list(range(i * c, (i + 1) * c))
             self._spec[i] = (cfg, roles, rank, world_size, n_actor, cores, sync_ranks if world_size > 1 else None,
                              names[i], threads)
+            if kept:
+                h = kept.pop()
+                try:
+                    ray.get(h.reinit.remote(*self._spec[i]))  # milliseconds
+                    return h
+                except ray.exceptions.RayError:  # a fresh host then raises the same in its own __init__, if any
+                    ray.kill(h)
             return self._host_cls.options(**self._opts).remote(*self._spec[i])
 
         if g.hybrid:
@@ -138,6 +149,7 @@ class RayEngine:
             raise UserError(f"a Ray worker failed to start ({str(e).strip().splitlines()[-1][:200]}); "
                             "run with --debug for the full error") from None
         self.device_name = self.placement[0]["device_name"]
+        self._started = True  # hosts that never got placed or set up are not given back to the pool
         if g.rehearse:
             gpu_run = gdist.backend_map(True, shared_gpu=shared_gpu)
             print("gerl: rehearsal placement: " + "; ".join(
@@ -307,8 +319,11 @@ class RayEngine:
                           for h in self.hosts], timeout=30)
         except Exception:  # noqa: BLE001 — shutting down; a dead host has nothing left to close
             pass
-        for h in self.hosts:
-            self.ray.kill(h)
+        if getattr(self, "_pool_key", None) is not None and getattr(self, "_started", False):
+            pool.give_back(self.ray, self._pool_key, self.hosts)  # reset, kept for the next run on this Ray
+        else:
+            for h in self.hosts:
+                self.ray.kill(h)
         self.hosts = []
         if self._owns_ray and self.ray.is_initialized():
             self.ray.shutdown()

@@ -132,6 +132,9 @@ class _RayPool:
 
             own_ray_env()
             ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False)  # our own, never a `ray start` one
+        from gerl.engine import pool
+
+        pool.evict(ray)  # hosts kept idle for a later run would hold the CPUs these replicas ask for
         self.ray, self.fn = ray, fn
         self.cls = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(RayRewardWorker)
         self.replicas = [self.cls.remote(fn) for _ in range(workers)]

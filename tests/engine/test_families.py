@@ -14,6 +14,7 @@ import yaml
 ray = pytest.importorskip("ray")
 
 from gerl.config import load_config  # noqa: E402
+from gerl.engine import pool  # noqa: E402
 from gerl.engine.resources import own_ray_env  # noqa: E402
 from gerl.trainer import train  # noqa: E402
 from tests.engine.test_rehearsal import QUIET, flat, launcher_config, rows  # noqa: E402
@@ -27,7 +28,8 @@ def declared_gpus():
     """One Ray for the module: the 8 GPUs a launcher may ask for, declared, and CPUs for the CPU hosts."""
     own_ray_env()
     ray.init(address="local", num_cpus=32, num_gpus=8, include_dashboard=False, log_to_driver=False)
-    yield
+    with pool.kept():
+        yield
     ray.shutdown()
 
 

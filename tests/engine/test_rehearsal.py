@@ -17,6 +17,7 @@ ray = pytest.importorskip("ray")
 
 from gerl.config import load_config  # noqa: E402
 from gerl.engine import dist as gdist  # noqa: E402
+from gerl.engine import pool  # noqa: E402
 from gerl.engine.resources import own_ray_env  # noqa: E402
 from gerl.trainer import train  # noqa: E402
 
@@ -74,7 +75,8 @@ def declared_gpus():
     needs), on this machine's real cores."""
     own_ray_env()
     ray.init(address="local", num_cpus=32, num_gpus=8, include_dashboard=False, log_to_driver=False)
-    yield
+    with pool.kept():
+        yield
     ray.shutdown()
 
 

@@ -6,6 +6,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from gerl.engine import pool  # noqa: E402
 from gerl.engine.resources import own_ray_env  # noqa: E402
 from tests.engine.test_rehearsal import DECOUPLED, check_rehearsal, rehearse, rows  # noqa: E402
 
@@ -19,7 +20,8 @@ def two_nodes():
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "num_gpus": 1})
     cluster.add_node(num_cpus=8, num_gpus=2)
     ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
-    yield cluster
+    with pool.kept():
+        yield cluster
     ray.shutdown()
     cluster.shutdown()
 

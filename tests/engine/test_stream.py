@@ -59,7 +59,7 @@ def test_async_resume_is_bit_exact(tmp_path, k):
     assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
 
 
-STREAM = ["engine.schedule=stream", "engine.max_staleness=1", "reward.name=tests.engine.slow_reward:first_call_slow",
+STREAM = ["engine.schedule=stream", "engine.max_staleness=1", "reward.name=tests.engine.slow_reward:FirstCallSlow",
           "reward.workers=4"]
 
 

@@ -20,15 +20,6 @@ DGPO = AlgoConfig(name="dgpo", train_timesteps=2, timesteps="shared", dgpo_beta=
                   anchor_decay_max=0.3)
 
 
-@pytest.fixture
-def clean_batch(make_rollout, lora_transformer):
-    """(transformer with a live adapter, batch): 8 clean samples of a plain ODE, two groups of 4."""
-    base = lora_transformer(randomize=True)
-    worker = make_rollout(SAMPLING, base)
-    worker.record_sde = False
-    return base, worker.generate(PROMPTS, [{}] * 8, torch.tensor([0] * 4 + [1] * 4), step=3)
-
-
 def _actor(base, algo=DGPO, rank=0, grads=None, sampling=SAMPLING, **train):
     hook = None if grads is None else (
         lambda ps, a, b: (grads.append(torch.cat([p.grad.flatten() for p in ps])), (a, b))[1])

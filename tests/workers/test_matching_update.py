@@ -23,15 +23,6 @@ DGPO = AlgoConfig(name="dgpo", train_timesteps=2, timesteps="shared", dgpo_beta=
                   anchor_decay_max=0.3)
 
 
-@pytest.fixture
-def clean_batch(make_rollout, lora_transformer):
-    """(transformer, batch): 8 clean samples of a plain ODE (what an nft/awm rollout records)."""
-    base = lora_transformer(randomize=True)
-    worker = make_rollout(SAMPLING, base)
-    worker.record_sde = False
-    return base, worker.generate(PROMPTS, [{}] * 8, torch.tensor([0] * 4 + [1] * 4), step=3)
-
-
 def _actor(base, algo, rank=0, grads=None, **train):
     """An actor over a copy of `base`; `grads` collects each optimizer step's (pre-clip) gradient."""
     hook = None if grads is None else (lambda ps, a, b: (grads.append(torch.cat([p.grad.flatten() for p in ps])), (a, b))[1])

@@ -1,0 +1,108 @@
+"""Idle Ray hosts kept for the next run on the same Ray, so that a driver that starts many runs — a test suite, a
+sweep from one Python process — pays a host's start-up (a Ray worker, then torch, diffusers and transformers
+imported: ~7 s of CPU each on this project's machine) once per host, not once per run.
+
+Off unless `enable()` is called. Only a Ray the runs do not own can keep hosts between them (a run that started Ray
+stops it). A host goes back to the pool only after `Host.reset` has made it what a fresh one is — process group
+left, roles and models dropped, torch's global generator, thread count and CPU affinity as the process started — and
+is killed instead when the reset fails or does not answer. A deterministic run (train.deterministic) neither takes
+nor leaves pooled hosts: the settings it makes in its processes are not undone. Python modules stay imported in a
+kept host, so a reward module's globals carry over from the run before: keep per-run state in a reward class's
+instance (each run makes its own).
+
+A kept host still holds the Ray resources it asked for; so whatever starts on this Ray through gerl first evicts the
+kept hosts it does not reuse (`take`, `evict`), and a pooled run asks for exactly the resources a fresh one would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+_enabled = False
+_idle: dict[tuple, list] = {}  # key → idle host handles
+
+
+def enable() -> None:
+    global _enabled
+    _enabled = True
+
+
+def disable(ray=None) -> None:
+    """Stop keeping hosts; kill the idle ones (before the Ray they live on is shut down)."""
+    global _enabled
+    _enabled = False
+    evict(ray)
+
+
+@contextlib.contextmanager
+def kept():
+    """Within: runs on the Ray that is up keep their hosts for the next run (e.g. a sweep: `with pool.kept(): for
+    lr in ...: train(cfg)`); on leaving, the idle ones are killed."""
+    enable()
+    try:
+        yield
+    finally:
+        disable()
+
+
+def key(ray, cfg, options: dict, concurrency: bool) -> tuple | None:
+    """The pool a run's hosts come from and go back to (None: this run does not use the pool): the Ray cluster
+    (its node), the resources each host asks for, and whether hosts have the stream's concurrency groups."""
+    if not _enabled or cfg.train.deterministic:
+        return None
+    node = ray.get_runtime_context().get_node_id()
+    return (node, tuple(sorted(options.items())), concurrency)
+
+
+def take(ray, pool_key: tuple | None, n: int) -> list:
+    """Up to n idle hosts of `pool_key`; every other idle host is killed, so its resources are free for this run."""
+    kept = _idle.pop(pool_key, []) if pool_key is not None else []
+    evict(ray)
+    _kill(ray, kept[n:])
+    return kept[:n]
+
+
+def give_back(ray, pool_key: tuple, hosts: list, timeout_s: float = 30.0) -> int:
+    """Reset each host (after its roles closed) and keep those whose reset answered; kill the rest. Returns how many
+    were kept."""
+    refs = []
+    for h in hosts:
+        try:
+            refs.append(h.reset.remote())
+        except Exception:  # noqa: BLE001 — a dead handle
+            refs.append(None)
+    kept = []
+    for h, ref in zip(hosts, refs):
+        try:
+            ok = ref is not None and ray.get(ref, timeout=timeout_s)
+        except Exception:  # noqa: BLE001 — died, or did not answer: never reused
+            ok = False
+        if ok:
+            kept.append(h)
+        else:
+            _kill(ray, [h])
+    if kept:
+        _idle.setdefault(pool_key, []).extend(kept)
+    return len(kept)
+
+
+def evict(ray=None) -> None:
+    """Kill every idle host (a run about to start that does not reuse them, or Ray about to stop)."""
+    hosts = [h for hs in _idle.values() for h in hs]
+    _idle.clear()
+    if ray is None:
+        import ray
+    if ray.is_initialized():
+        _kill(ray, hosts)
+
+
+def idle() -> int:
+    return sum(len(hs) for hs in _idle.values())
+
+
+def _kill(ray, hosts: list) -> None:
+    for h in hosts:
+        try:
+            ray.kill(h)
+        except Exception:  # noqa: BLE001 — already gone
+            pass
