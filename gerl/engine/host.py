@@ -91,6 +91,9 @@ class Host:
             dist.destroy_process_group()
         self.dp_group = self.sync_group = self.rollout = self.actor = None
         gc.collect()
+        if torch.cuda.is_initialized():  # the next run's peak memory is its own, and its models' memory is free
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
         torch.manual_seed(self._fresh["seed"])
         torch.set_num_threads(self._fresh["threads"])
         if self._fresh["cpus"] is not None:

@@ -8,7 +8,9 @@ left, roles and models dropped, torch's global generator, thread count and CPU a
 is killed instead when the reset fails or does not answer. A deterministic run (train.deterministic) neither takes
 nor leaves pooled hosts: the settings it makes in its processes are not undone. Python modules stay imported in a
 kept host, so a reward module's globals carry over from the run before: keep per-run state in a reward class's
-instance (each run makes its own).
+instance (each run makes its own). On a GPU the reset frees the cached memory and restarts the peak count; on the CPU
+a host's peak memory is its process's peak resident size, which no reset can lower, so a kept host reports the
+largest of its runs.
 
 A kept host still holds the Ray resources it asked for; so whatever starts on this Ray through gerl first evicts the
 kept hosts it does not reuse (`take`, `evict`), and a pooled run asks for exactly the resources a fresh one would.
