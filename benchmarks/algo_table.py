@@ -26,6 +26,7 @@ budgets (--budget is per invocation). A ratio table compares each algorithm's ti
     python -m benchmarks algo_table --out docs/tables/algos --only eval --eval-shard 0/2   # score in two processes
     python -m benchmarks algo_table --out docs/tables/algos --only table
     python -m benchmarks algo_table --out docs/tables/sooner --grid 2.5 --algos grpo --budget 40   # issue 36
+    python -m benchmarks algo_table --out docs/tables/ceiling --grid 2.5 --algos awm --seeds 0,1 --budget 60 --extend
     python -m benchmarks algo_table --out docs/tables/dgpo --grid 2.5 --algos dgpo --schedules sync,async:1   # DGPO
 
 Writes OUT.md (the table), OUT.json (every number), OUT.png (the curves) and the run directories under --runs-dir.
@@ -81,17 +82,25 @@ def core_minutes(rows: list[dict], cores: int) -> dict[int, float]:
     return out
 
 
+def train_command(run: Path, algo: str, schedule: str, seed: int, args, extend: bool) -> list[str]:
+    return [sys.executable, "-m", "gerl.cli", "train", RECIPES[algo], f"output_dir={run}",
+            "resume=true" if extend else "overwrite=true",
+            f"seed={seed}", "max_steps=10000", "validation.every=-1",
+            f"checkpoint.every={1 if args.grid else args.every}",
+            "checkpoint.keep_last=0", "log.progress_bar=false", "log.tensorboard=false", "log.images_every=0",
+            *schedule_overrides(schedule), *args.overrides]
+
+
 def train_run(run: Path, algo: str, schedule: str, seed: int, args) -> None:
-    """One run to --budget training core-minutes (stopped with SIGINT; it checkpoints the step it is on)."""
+    """One run to --budget training core-minutes (stopped with SIGINT; it checkpoints the step it is on). With
+    --extend, a run that has checkpoints continues from its last one (resume=true: its metrics after that step are
+    dropped, its core-minutes keep counting from there) instead of starting over."""
     cores = sorted(os.sched_getaffinity(0))[:args.cores]
-    cmd = [sys.executable, "-m", "gerl.cli", "train", RECIPES[algo], f"output_dir={run}", "overwrite=true",
-           f"seed={seed}", "max_steps=10000", "validation.every=-1",
-           f"checkpoint.every={1 if args.grid else args.every}",
-           "checkpoint.keep_last=0", "log.progress_bar=false", "log.tensorboard=false", "log.images_every=0",
-           *schedule_overrides(schedule), *args.overrides]
+    extend = args.extend and any((run / "checkpoints").glob("step_*"))
+    cmd = train_command(run, algo, schedule, seed, args, extend)
     env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     run.mkdir(parents=True, exist_ok=True)
-    with (run.parent / f"{run.name}.log").open("w") as log:
+    with (run.parent / f"{run.name}.log").open("a" if extend else "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 preexec_fn=lambda: os.sched_setaffinity(0, set(cores)))
         stopped = False
@@ -298,9 +307,32 @@ def ratio_table(results: dict, args) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plateau_table(results: dict, args) -> str:
+    """Where the curves flatten (issue 36's ceiling): for each (algorithm, schedule) with runs beyond
+    --plateau-from core-minutes, each run's mean reading from there to its end, the mean of those over the runs, and
+    the fraction of it each fixed budget's mean gain reaches (computed over the same runs)."""
+    lines = [f"| algorithm | schedule | runs | readings per run (≥ {args.plateau_from:g} core-min) | plateau gain | "
+             + " | ".join(f"at {b:g}: fraction" for b in args.budgets) + " |", "| --- " * (5 + len(args.budgets)) + "|"]
+    for key, runs in results.items():
+        algo, schedule = key.split("|")
+        tails = {r["run"]: [c["gain"] for c in r["curve"] if c["grid_min"] >= args.plateau_from - 1e-9] for r in runs}
+        long = [r for r in runs if tails[r["run"]] and r["spent"] >= args.plateau_from]
+        if not long:
+            continue
+        m, se = mean_se([sum(tails[r["run"]]) / len(tails[r["run"]]) for r in long])
+        fracs = []
+        for b in args.budgets:
+            g, _ = mean_se([r["gain_at"].get(b) for r in long])
+            fracs.append("–" if g is None else f"{g:+.3f}: {g / m:.0%}")
+        lines.append(f"| {NAMES[algo]} | {schedule} | {len(long)} | {', '.join(str(len(tails[r['run']])) for r in long)} "
+                     f"| {m:+.3f}" + ("" if se is None else f" ± {se:.3f}") + f" | {' | '.join(fracs)} |")
+    return "\n".join(lines) + "\n"
+
+
 def table(results: dict, args) -> str:
     if args.grid:
-        return grid_table(results, args) + "\n" + ratio_table(results, args)
+        out = grid_table(results, args) + "\n" + ratio_table(results, args)
+        return out + ("\n" + plateau_table(results, args) if args.plateau_from else "")
     lines = [f"| algorithm | schedule | seeds | s/step | core-min to +{args.target:g} (each seed) | "
              f"test gain after {args.budget:g} core-min (mean ± SE over seeds) | base test |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
@@ -351,11 +383,16 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--cores", type=int, default=2)
     ap.add_argument("--budget", type=float, default=10.0, help="training core-minutes per run")
+    ap.add_argument("--extend", action="store_true",
+                    help="continue runs that have checkpoints from their last one up to --budget (a CPU resume is "
+                         "bit-exact, so this equals one run to --budget)")
     ap.add_argument("--every", type=int, default=5, help="checkpoint every N steps (without --grid)")
     ap.add_argument("--grid", type=float, default=0.0,
                     help="read every run on a grid of this many core-minutes (checkpoints every step, pruned to the grid)")
     ap.add_argument("--budgets", default="5,10,20,40", help="with --grid: the gain columns, in core-minutes")
     ap.add_argument("--reference", default="grpo", help="with --grid: the algorithm the × sooner ratios compare with")
+    ap.add_argument("--plateau-from", type=float, default=0.0,
+                    help="with --grid: also tabulate each run's mean reading from this many core-minutes on (the ceiling)")
     ap.add_argument("--target", type=float, default=0.15, help="test gain whose core-minutes are reported")
     ap.add_argument("--eval-seed", type=int, default=777, help="noise of the test evaluation (fresh: not 1234)")
     ap.add_argument("--images-per-prompt", type=int, default=8)
