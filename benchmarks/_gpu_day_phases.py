@@ -179,7 +179,7 @@ def env(ctx: Ctx) -> None:
     check_finite("env", {"matmul_tflops": n["matmul_tflops"]})
 
 
-@phase("smoke", cap_s=120, rehearse_cap_s=90, h100_estimate_s=28,
+@phase("smoke", cap_s=120, rehearse_cap_s=90, h100_estimate_s=34,
        what="build (timed), one rollout micro-batch, one Flow-GRPO-Fast update; ratio before it; no NaN/inf")
 def smoke(ctx: Ctx) -> None:
     import torch
@@ -208,9 +208,22 @@ def smoke(ctx: Ctx) -> None:
         raise PhaseFailed(f"max |ratio - 1| before the update {n['ratio_max_dev']:.3g} > {RATIO_BOUND:g}")
     if not (m["optimizer_steps"] == 1 and m["grad_norm"] > 0):
         raise PhaseFailed(f"the update took {m['optimizer_steps']} optimizer step(s), grad_norm {m['grad_norm']}")
+    # sampling.merge_lora's rounding, now that the update moved the adapter's B off zero: the first update's
+    # max |ratio − 1| after a rollout on the unmerged adapter and after one on merged weights (a reading, no bar)
+    for merge in (False, True):
+        key = "merged" if merge else "unmerged"
+        try:
+            c.sampling = dataclasses.replace(c.sampling, merge_lora=merge)
+            trajs, _ = ctx.bench.our_rollout(c, embeds, 0, images_too=False)
+            m = c.actor.update(rollout_batch(c, embeds, trajs, rewards), adv, 1 + merge)
+            n.setdefault("ratio_max_dev_lora_moved", {})[key] = m["ratio_max_dev_before_update"]
+        except Exception as e:  # noqa: BLE001 - a reading beside the phase's checks, which have passed
+            n.setdefault("ratio_max_dev_lora_moved", {})[key] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+        ctx.save()
+    c.sampling = dataclasses.replace(c.sampling, merge_lora=False)
 
 
-@phase("rollout", cap_s=180, rehearse_cap_s=120, h100_estimate_s=148,
+@phase("rollout", cap_s=210, rehearse_cap_s=120, h100_estimate_s=173,
        what="images/s of our rollout vs stock StableDiffusion3Pipeline.__call__, micro-batch x guidance x LoRA")
 def rollout(ctx: Ctx) -> None:
     from gerl.config import ModelConfig
@@ -221,13 +234,16 @@ def rollout(ctx: Ctx) -> None:
     fewer = ["--num-steps", "4", "--sde-window", "1", "--sde-window-range", "0", "2"] if ctx.rehearse else []
     c, n["build_s"] = bench_ctx(ctx, "--prompts", "1", "--group-size", str(max(sizes)), "--lora-rank", "0", *fewer)
     n["rows"], warm = [], set()
-    for lora in (False, True):
-        if lora:  # the unmerged adapter gerl trains (r32/α64 on its default targets), B = 0 as PEFT starts it
+    for lora in (False, True, "merged"):
+        if lora is True:  # the unmerged adapter gerl trains (r32/α64 on its default targets), B = 0 as PEFT starts it
             add_lora(c.pipe.transformer, 32, 64.0, ModelConfig().lora_targets)
-        for mb in sizes:
+        # sampling.merge_lora: the same adapter merged into W0 for the rollout (one size, both guidances; the stock
+        # pipeline beside it runs the unmerged adapter, as a PEFT user's would)
+        for mb in (sizes if lora != "merged" else sizes[1:2]):
             for g in (1.0, 4.5):
                 c.images = mb
-                c.sampling = dataclasses.replace(c.sampling, micro_batch_size=mb, guidance_scale=g)
+                c.sampling = dataclasses.replace(c.sampling, micro_batch_size=mb, guidance_scale=g,
+                                                 merge_lora=lora == "merged")
                 embeds = ctx.bench.step_embeds(c, 0)
                 # one warm-up per shape (kernel choice and caches are per shape), then one timed run of each
                 res, _ = ctx.bench.compare_stock(c, embeds, reps=1, warmup=0 if (mb, g) in warm else 1)
@@ -235,8 +251,9 @@ def rollout(ctx: Ctx) -> None:
                 n["rows"].append({"lora": lora, "micro_batch": mb, "guidance": g,
                                   **{k: res[k] for k in ("ours_images_per_s", "stock_images_per_s", "ratio")}})
                 ctx.save()
-    n["min_ratio"] = min(r["ratio"] for r in n["rows"])
+    n["min_ratio"] = min(r["ratio"] for r in n["rows"] if r["lora"] != "merged")
     n["bar"] = ctx.bench.STOCK_BAR
+    c.sampling = dataclasses.replace(c.sampling, merge_lora=False)
 
 
 @phase("train", cap_s=90, rehearse_cap_s=90, h100_estimate_s=54,

@@ -292,13 +292,26 @@ def our_rollout(ctx, embeds: list[Embeds], step: int, images_too: bool = True) -
     s, dev = ctx.sampling, ctx.device
     window = step_window(ctx, step)
     trajs, images = [], []
-    for sl, emb in zip(micro_batches(ctx.images, s.micro_batch_size), embeds):
-        noise, gens = latent_noise([sample_seed(0, step, i) for i in range(sl.start, sl.stop)], ctx.latent_shape)
-        traj = denoise(ctx.pipe.transformer, emb, noise.to(dev), ctx.schedule, window, s.sampler, s.noise_level,
-                       s.guidance_scale, gens)
-        trajs.append(traj)
-        images += decode(ctx.pipe.vae, traj.final_latents, family_of(ctx.pipe)) if images_too else []
+    with merged_lora(ctx):
+        for sl, emb in zip(micro_batches(ctx.images, s.micro_batch_size), embeds):
+            noise, gens = latent_noise([sample_seed(0, step, i) for i in range(sl.start, sl.stop)], ctx.latent_shape)
+            traj = denoise(ctx.pipe.transformer, emb, noise.to(dev), ctx.schedule, window, s.sampler, s.noise_level,
+                           s.guidance_scale, gens)
+            trajs.append(traj)
+            images += decode(ctx.pipe.vae, traj.final_latents, family_of(ctx.pipe)) if images_too else []
     return trajs, images
+
+
+def merged_lora(ctx):
+    """With ctx.sampling.merge_lora: the rollout on merged LoRA weights (gerl/models/lora_merge.py), its W0 copy
+    kept on ctx between rollouts as RolloutWorker keeps it; otherwise a block that does nothing."""
+    if not ctx.sampling.merge_lora:
+        return contextlib.nullcontext()
+    from gerl.models.lora_merge import MergedLora
+
+    if getattr(ctx, "merger", None) is None or ctx.merger.layers[0] not in set(ctx.pipe.transformer.modules()):
+        ctx.merger = MergedLora(ctx.pipe.transformer)
+    return ctx.merger.merged()
 
 
 def stock_pipeline(pipe):

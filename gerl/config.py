@@ -64,6 +64,7 @@ class SamplingConfig:
     timestep_fraction: float = 1.0  # fraction of the recorded steps trained per sample (random subset; Flow-GRPO uses 0.99)
     micro_batch_size: int = 8  # images denoised together; each decoded micro-batch's reward is submitted at once
     init_same_noise: bool = False  # a group's images start from one initial noise (DanceGRPO's init_same_noise): only the SDE window's noise differs
+    merge_lora: bool = False  # generate on W0 + s·B·A merged into each adapted linear (one matmul instead of PEFT's three; gerl/models/lora_merge.py): faster on a GPU, rounded once to the model dtype, so in bf16 the rollout is not bit-for-bit the trained policy (ratio ≠ 1 by rounding); needs model.lora
 
 
 @dataclass
@@ -744,6 +745,9 @@ def _relations(cfg: Config) -> list[str]:
     elif g.hybrid and g.actor_workers != g.rollout_workers:
         e.append(f"engine.hybrid=true colocates one actor and one rollout per device: actor_workers "
                  f"({g.actor_workers}) must equal rollout_workers ({g.rollout_workers})")
+    if cfg.sampling.merge_lora and not cfg.model.lora:
+        e.append("sampling.merge_lora=true merges a LoRA adapter, but model.lora=false trains every weight; drop "
+                 "sampling.merge_lora or set model.lora=true")
     if cfg.model.dtype == "fp16" and not cfg.model.lora:
         e.append("model.dtype=fp16 with model.lora=false would train fp16 weights with no fp32 master copy (AdamW's "
                  "small updates round away, and loss-scaled gradients cannot be unscaled in fp16); use bf16 or fp32 "
