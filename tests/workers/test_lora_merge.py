@@ -129,3 +129,29 @@ def test_merge_lora_without_an_adapter_is_refused():
     with pytest.raises(UserError, match="sampling.merge_lora=true merges a LoRA adapter, but model.lora=false"):
         load_config(None, ["model.lora=false", "sampling.merge_lora=true"])
     assert load_config(None, ["sampling.merge_lora=true"]).sampling.merge_lora is True
+
+
+def test_a_run_on_merged_rollouts_trains_like_one_on_unmerged_rollouts(tmp_path):
+    """Three steps of the local engine (rollout and actor share the transformer): with merge_lora the first
+    update's ratio is still 1 to fp32 rounding at every step — the trainer's unmerged forward recomputes what the
+    merged rollout sampled, after the adapter has moved — and step 1 (B = 0: W0 + s·B·A is W0) is the unmerged
+    run's exactly. (Later steps drift apart by pixel rounding: a JPEG reward of uint8 images, then AdamW.)"""
+    import json
+
+    from safetensors.torch import load_file
+
+    from gerl.trainer import train
+    from tests.train.helpers import small_config
+
+    runs = {}
+    for merge in (False, True):
+        out = tmp_path / f"merge_{merge}"
+        train(small_config(out, "max_steps=3", "checkpoint.every=3", f"sampling.merge_lora={str(merge).lower()}"))
+        rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+        runs[merge] = rows, load_file(str(next((out / "checkpoints").glob("step_*")) / "trainable.safetensors"))
+    (plain, _), (merged, w_merged) = runs[False], runs[True]
+    assert [r["step"] for r in merged] == [1, 2, 3]
+    devs = [r["ratio_max_dev_before_update"] for r in merged]
+    assert all(d < 1e-4 for d in devs), devs
+    assert merged[0]["reward_mean"] == plain[0]["reward_mean"]
+    assert any(w_merged[n].abs().max() > 0 for n in w_merged if "lora_B" in n)  # the adapter did move
