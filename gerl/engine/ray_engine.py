@@ -117,8 +117,8 @@ class RayEngine:
         self._spec: dict[int, tuple] = {}
         # hosts a previous run on this Ray left idle, when the pool is on (gerl/engine/pool.py); the rest start fresh
         self._pool_key = None if self._owns_ray else pool.key(ray, cfg, self._opts, bool(groups))
-        kept = pool.take(ray, self._pool_key, len(names)) if not self._owns_ray else []
-        self.reused_hosts = len(kept)
+        kept = pool.take(ray, self._pool_key, len(names))
+        reused: set[int] = set()  # indices of the hosts that are kept ones (placement.json's "reused_host")
 
         def spawn(i, roles, rank, world_size):
             cores = None if self.use_gpu else list(range(i * c, (i + 1) * c))
@@ -128,6 +128,7 @@ class RayEngine:
                 h = kept.pop()
                 try:
                     ray.get(h.reinit.remote(*self._spec[i]))  # milliseconds
+                    reused.add(i)
                     return h
                 except ray.exceptions.RayError:  # a fresh host then raises the same in its own __init__, if any
                     ray.kill(h)
@@ -148,6 +149,8 @@ class RayEngine:
         except ray.exceptions.RayError as e:
             raise UserError(f"a Ray worker failed to start ({str(e).strip().splitlines()[-1][:200]}); "
                             "run with --debug for the full error") from None
+        for i, p in enumerate(self.placement):  # placement follows self.hosts, which follows the spawn index
+            p["reused_host"] = i in reused
         self.device_name = self.placement[0]["device_name"]
         self._started = True  # hosts that never got placed or set up are not given back to the pool
         if g.rehearse:

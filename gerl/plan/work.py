@@ -135,6 +135,12 @@ def resident_items(cfg: Config, fam, modules: dict, trained: list, graded: list)
     rollout = []
     if cfg.engine.schedule == "stream" and not (cfg.engine.hybrid or cfg.engine.kind == "local"):
         rollout.append(Item("staged weights (engine.schedule=stream)", _gib(adapter)))
+    if cfg.sampling.merge_lora and m.lora:  # gerl/models/lora_merge.py keeps W0 of every adapted linear
+        from gerl.models.lora_merge import lora_layers
+
+        w0 = [x.get_base_layer().weight for x in lora_layers(modules["transformer"])]
+        rollout.append(Item("W0 copy of the LoRA-adapted linears (sampling.merge_lora)", _gib(tensor_bytes(w0)),
+                            f"{len(w0)} weights"))
     return {**out, "actor": actor, "rollout": rollout}
 
 

@@ -40,6 +40,7 @@ def test_a_kept_host_trains_as_a_fresh_one(tmp_path):
     kept_rows, kept_w, kept = _run(tmp_path / "kept")  # on the two hosts the run before left
     # the same two processes (each now with the other's rank: the pool hands them out last in, first out)
     assert {h["pid"] for h in kept} == {h["pid"] for h in fresh}, "the run did not reuse the kept hosts"
+    assert [h["reused_host"] for h in fresh] == [False, False] and [h["reused_host"] for h in kept] == [True, True]
     assert pool.idle() == 2
 
     def settings(hosts):
