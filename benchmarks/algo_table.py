@@ -308,24 +308,37 @@ def ratio_table(results: dict, args) -> str:
 
 
 def plateau_table(results: dict, args) -> str:
-    """Where the curves flatten (issue 36's ceiling): for each (algorithm, schedule) with runs beyond
-    --plateau-from core-minutes, each run's mean reading from there to its end, the mean of those over the runs, and
-    the fraction of it each fixed budget's mean gain reaches (computed over the same runs)."""
-    lines = [f"| algorithm | schedule | runs | readings per run (≥ {args.plateau_from:g} core-min) | plateau gain | "
-             + " | ".join(f"at {b:g}: fraction" for b in args.budgets) + " |", "| --- " * (5 + len(args.budgets)) + "|"]
+    """Where the curves flatten (issue 36's ceiling), for each (algorithm, schedule) with runs past --plateau-from
+    core-minutes (F): each run's mean reading over (F, its last grid reading] (L long), the mean of those over the
+    runs, and the rise from the L core-minutes before, (F − L, F] — near 0 where the curve is flat — then the
+    fraction of the plateau that each fixed budget's mean gain reaches (over the same runs)."""
+    f = args.plateau_from
+    lines = [f"| algorithm | schedule | runs | readings per run after {f:g} core-min | plateau gain | rise from the "
+             "window before | " + " | ".join(f"at {b:g}: fraction" for b in args.budgets) + " |",
+             "| --- " * (6 + len(args.budgets)) + "|"]
+
+    def window(r, lo, hi):
+        return [c["gain"] for c in r["curve"] if lo + 1e-9 < c["grid_min"] <= hi + 1e-9]
+
     for key, runs in results.items():
         algo, schedule = key.split("|")
-        tails = {r["run"]: [c["gain"] for c in r["curve"] if c["grid_min"] >= args.plateau_from - 1e-9] for r in runs}
-        long = [r for r in runs if tails[r["run"]] and r["spent"] >= args.plateau_from]
+        def end(r):  # the run's last grid reading
+            return max((c["grid_min"] for c in r["curve"]), default=0.0)
+
+        long = [r for r in runs if end(r) > f]
         if not long:
             continue
-        m, se = mean_se([sum(tails[r["run"]]) / len(tails[r["run"]]) for r in long])
+        tails = [window(r, f, end(r)) for r in long]
+        m, se = mean_se([sum(t) / len(t) for t in tails])
+        before = [window(r, 2 * f - end(r), f) for r in long]
+        rise, rise_se = mean_se([sum(t) / len(t) - sum(b) / len(b) for t, b in zip(tails, before) if b])
         fracs = []
         for b in args.budgets:
             g, _ = mean_se([r["gain_at"].get(b) for r in long])
             fracs.append("–" if g is None else f"{g:+.3f}: {g / m:.0%}")
-        lines.append(f"| {NAMES[algo]} | {schedule} | {len(long)} | {', '.join(str(len(tails[r['run']])) for r in long)} "
-                     f"| {m:+.3f}" + ("" if se is None else f" ± {se:.3f}") + f" | {' | '.join(fracs)} |")
+        shown_rise = "–" if rise is None else f"{rise:+.3f}" + ("" if rise_se is None else f" ± {rise_se:.3f}")
+        lines.append(f"| {NAMES[algo]} | {schedule} | {len(long)} | {', '.join(str(len(t)) for t in tails)} "
+                     f"| {m:+.3f}" + ("" if se is None else f" ± {se:.3f}") + f" | {shown_rise} | {' | '.join(fracs)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -83,18 +83,18 @@ def test_a_reference_that_never_got_there_makes_the_ratio_a_lower_bound():
     assert row == "| AWM | async:1 | 8.3 ± 1.7 | sync | ≥ 27.5 | ≥ 3.30 |"
 
 
-def test_the_plateau_is_the_mean_of_each_long_runs_late_readings():
+def test_the_plateau_is_the_mean_of_each_long_runs_late_readings_and_the_rise_before_it():
     def curve(gains):  # readings every 10 core-minutes from 10
         return [{"grid_min": 10.0 * (i + 1), "gain": g} for i, g in enumerate(gains)]
 
     long0 = _summary("a0", 5.0, 60.0, {10.0: 0.18, 20.0: 0.22}, curve([0.18, 0.22, 0.25, 0.27, 0.26, 0.28]))
     long1 = _summary("a1", 10.0, 60.0, {10.0: 0.14, 20.0: 0.20}, curve([0.14, 0.20, 0.24, 0.24, 0.28, 0.26]))
-    short = _summary("a2", 10.0, 20.0, {10.0: 0.30, 20.0: 0.30}, curve([0.30, 0.30]))  # not beyond 40: left out
+    short = _summary("a2", 10.0, 20.0, {10.0: 0.30, 20.0: 0.30}, curve([0.30, 0.30]))  # not past 40: left out
     md = at.plateau_table({"awm|async:1": [long0, long1, short]}, _args(plateau_from=40.0, budgets=[10.0, 20.0]))
     row = md.splitlines()[2]
-    # run means over 40, 50, 60: 0.27 and 0.26 → 0.265 ± 0.005; at 10: (0.18 + 0.14) / 2 = 0.16 → 60 % of it;
-    # at 20: 0.21 → 79 %
-    assert row == "| AWM | async:1 | 2 | 3, 3 | +0.265 ± 0.005 | +0.160: 60% | +0.210: 79% |"
+    # after 40 (50, 60): run means 0.27 and 0.27 → 0.270 ± 0.000; the 20 before, (20, 40] (30, 40): 0.26 and
+    # 0.24 → rises 0.01 and 0.03 → +0.020 ± 0.010; at 10: (0.18 + 0.14) / 2 = 0.16 → 59 % of 0.27; at 20: 0.21 → 78 %
+    assert row == "| AWM | async:1 | 2 | 2, 2 | +0.270 ± 0.000 | +0.020 ± 0.010 | +0.160: 59% | +0.210: 78% |"
 
 
 def test_extend_resumes_a_run_that_has_checkpoints_and_starts_over_otherwise(tmp_path):
