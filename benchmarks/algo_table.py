@@ -320,11 +320,11 @@ def plateau_table(results: dict, args) -> str:
     def window(r, lo, hi):
         return [c["gain"] for c in r["curve"] if lo + 1e-9 < c["grid_min"] <= hi + 1e-9]
 
+    def end(r):  # the run's last grid reading
+        return max((c["grid_min"] for c in r["curve"]), default=0.0)
+
     for key, runs in results.items():
         algo, schedule = key.split("|")
-        def end(r):  # the run's last grid reading
-            return max((c["grid_min"] for c in r["curve"]), default=0.0)
-
         long = [r for r in runs if end(r) > f]
         if not long:
             continue

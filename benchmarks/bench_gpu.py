@@ -309,7 +309,7 @@ def merged_lora(ctx):
         return contextlib.nullcontext()
     from gerl.models.lora_merge import MergedLora
 
-    if getattr(ctx, "merger", None) is None or ctx.merger.layers[0] not in set(ctx.pipe.transformer.modules()):
+    if getattr(ctx, "merger", None) is None:  # made once the adapter is on (each gpu_day phase builds its own ctx)
         ctx.merger = MergedLora(ctx.pipe.transformer)
     return ctx.merger.merged()
 

@@ -117,7 +117,7 @@ class RayEngine:
         self._spec: dict[int, tuple] = {}
         # hosts a previous run on this Ray left idle, when the pool is on (gerl/engine/pool.py); the rest start fresh
         self._pool_key = None if self._owns_ray else pool.key(ray, cfg, self._opts, bool(groups))
-        kept = pool.take(ray, self._pool_key, len(names))
+        kept = pool.take(ray, self._pool_key, len(names)) if not self._owns_ray else []
         reused: set[int] = set()  # indices of the hosts that are kept ones (placement.json's "reused_host")
 
         def spawn(i, roles, rank, world_size):

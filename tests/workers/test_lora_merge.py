@@ -107,10 +107,13 @@ def test_a_bf16_merge_is_the_exact_sum_rounded_once_and_is_undone_exactly():
     model = inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8.0, target_modules=["to_q"]), model)
     model.to(torch.bfloat16)
     layer = model.to_q
+    layer.lora_A["default"].float()  # as gerl trains it: the base in bf16, the adapter in fp32
+    layer.lora_B["default"].float()
     with torch.no_grad():
         layer.lora_B["default"].weight.copy_(torch.randn(48, 4, generator=g) * 0.01)
     w0 = layer.base_layer.weight.detach().clone()
-    a, b = layer.lora_A["default"].weight.float(), layer.lora_B["default"].weight.float()
+    a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    assert a.dtype == b.dtype == torch.float32 and w0.dtype == torch.bfloat16
     expected = (w0.float() + (b @ a) * (8.0 / 4)).to(torch.bfloat16)  # α/r = 2
     x = torch.randn(3, 64, generator=g).to(torch.bfloat16)
     with MergedLora(model).merged():
