@@ -22,6 +22,20 @@ from pathlib import Path
 MARK = "GERL_PROCGROUP"
 
 
+def pinned_and_interruptible(cores) -> callable:
+    """A `preexec_fn`: pin the child to `cores` and give SIGINT its default action there. A parent started with
+    SIGINT ignored (`nohup … &`, a script's background job, some CI runners) passes the ignore on through exec, and
+    a Python started so installs no KeyboardInterrupt handler: a SIGINT sent before `gerl train` takes the signal
+    over (while it imports) would be lost and the run would go on to its last step."""
+    cores = set(cores)
+
+    def setup() -> None:
+        os.sched_setaffinity(0, cores)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    return setup
+
+
 def marked_env(env: dict | None = None) -> tuple[dict, str]:
     """(a copy of `env` (default os.environ) carrying a fresh marker, the marker's token)."""
     env = dict(os.environ if env is None else env)

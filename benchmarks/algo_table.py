@@ -46,6 +46,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from benchmarks._procgroup import pinned_and_interruptible  # noqa: E402
 
 RECIPES = {"grpo": "recipes/ocr_mini.yaml", "nft": "recipes/ocr_mini_nft.yaml", "awm": "recipes/ocr_mini_awm.yaml",
            "dgpo": "recipes/ocr_mini_dgpo.yaml"}
@@ -102,7 +103,7 @@ def train_run(run: Path, algo: str, schedule: str, seed: int, args) -> None:
     run.mkdir(parents=True, exist_ok=True)
     with (run.parent / f"{run.name}.log").open("a" if extend else "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                preexec_fn=lambda: os.sched_setaffinity(0, set(cores)))
+                                preexec_fn=pinned_and_interruptible(cores))
         stopped = False
         while proc.poll() is None:
             spent = max(core_minutes(read_rows(run), args.cores).values(), default=0.0)

@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _procgroup import pinned_and_interruptible  # noqa: E402
 from bench_async import MODES, REPO  # noqa: E402  (benchmarks/ is on sys.path above)
 
 from gerl.logging.throughput import gpu_hours, gpu_hours_to_target, images_per_s_per_device, row_wall_s  # noqa: E402
@@ -155,7 +156,7 @@ def train_one(strategy: str, args, cores: list[int], overrides: list[str]) -> Pa
     log = (Path(args.runs_dir) / f"{strategy}.log").open("w")
     t0, stopped = time.monotonic(), False
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            preexec_fn=lambda: os.sched_setaffinity(0, set(cores)))
+                            preexec_fn=pinned_and_interruptible(cores))
     try:
         while proc.poll() is None:
             if args.budget_s and time.monotonic() - t0 > args.budget_s:
