@@ -29,7 +29,7 @@ SLOW = ("tests/engine/", "tests/train/test_learning.py", "tests/train/test_inter
         "tests/scripts/", "tests/rewards/test_vlm.py", "tests/test_plan.py::test_cli_", "tests/logging/test_metrics.py")
 
 
-# Started first, in this order: the longest modules, so that neither process is left alone with one of them at the
+# Started first, in this order: the longest modules, so that no process is left alone with one of them at the
 # end. Measured on 2 cores: the learning test ~135 s (two training processes), the Ray modules 45–120 s each, the
 # real-width fp16 and launcher checks ~65 s together, the FLUX schedules ~80 s.
 FIRST = ("tests/train/test_learning.py", "tests/engine/test_ray_engine.py", "tests/engine/test_stream.py",
@@ -38,9 +38,9 @@ FIRST = ("tests/train/test_learning.py", "tests/engine/test_ray_engine.py", "tes
 
 
 def pytest_collection_modifyitems(config, items):
-    """scripts/test.sh runs the suite in 2 processes, a module at a time each (pytest-xdist --dist loadfile
+    """scripts/test.sh runs the suite in 3 processes, a module at a time each (pytest-xdist --dist loadfile
     --no-loadscope-reorder): a module's tests share its module-scoped fixtures (a Ray cluster starts once per
-    module); two modules run side by side, each Ray its own."""
+    module); three modules run side by side, each Ray its own."""
     def module(item) -> str:
         return item.nodeid.split("::")[0]
 
