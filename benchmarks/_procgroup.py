@@ -17,12 +17,13 @@ import signal
 import subprocess
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 MARK = "GERL_PROCGROUP"
 
 
-def pinned_and_interruptible(cores) -> callable:
+def pinned_and_interruptible(cores) -> Callable[[], None]:
     """A `preexec_fn`: pin the child to `cores` and give SIGINT its default action there. A parent started with
     SIGINT ignored (`nohup … &`, a script's background job, some CI runners) passes the ignore on through exec, and
     a Python started so installs no KeyboardInterrupt handler: a SIGINT sent before `gerl train` takes the signal
