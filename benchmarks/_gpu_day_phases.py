@@ -329,6 +329,17 @@ def step(ctx: Ctx) -> None:
         ctx.save()
 
 
+@phase("step_merged", cap_s=200, rehearse_cap_s=150, h100_estimate_s=120, needs=("torch", "diffusers", "rapidocr"),
+       first_call=False,
+       what="GeRL's row twice in one process: the rollout on the merged adapter (sampling.merge_lora), then unmerged")
+def step_merged(ctx: Ctx) -> None:
+    from _gpu_day_step import whole_step
+
+    for name in ("gerl_merged", "gerl"):  # the change first: should the cap cut the pair, the new number is in
+        ctx.numbers[name] = whole_step(ctx, name)
+        ctx.save()
+
+
 @phase("fp16", cap_s=120, rehearse_cap_s=90, h100_estimate_s=84,
        what="fp16 with loss scaling at full depth: ratio, LoRA-gradient cosine and zero fraction vs fp32")
 def fp16(ctx: Ctx) -> None:

@@ -18,6 +18,10 @@ REPO_RECIPES = {
     "gerl": ("recipes/gerl_sd3_fast_ocr.yaml", [], ["data.group_size=4", "train.mini_batch_size=4",
                                                    "train.micro_batch_size=4", "sampling.micro_batch_size=4",
                                                    "sampling.num_steps=6"]),
+    # GeRL's row with the rollout on the merged adapter (sampling.merge_lora): the step_merged phase, paired with "gerl"
+    "gerl_merged": ("recipes/gerl_sd3_fast_ocr.yaml", ["sampling.merge_lora=true"],
+                    ["sampling.merge_lora=true", "data.group_size=4", "train.mini_batch_size=4",
+                     "train.micro_batch_size=4", "sampling.micro_batch_size=4", "sampling.num_steps=6"]),
     "nft": ("recipes/nft_sd3_ocr.yaml", ["data.prompts_per_step=2", "data.group_size=9", "train.mini_batch_size=18"],
             ["data.group_size=3", "train.mini_batch_size=6", "train.micro_batch_size=3", "sampling.micro_batch_size=3",
              "algo.train_timesteps=2", "sampling.num_steps=4"]),
@@ -81,7 +85,7 @@ def whole_step(ctx, name: str) -> dict:
         with Fp16GemmEmulation() if emulate else contextlib.nullcontext():
             # GeRL's row first: its step 0 is the warm-up (CUDA context, kernels, the OCR model), step 1 is timed;
             # nft and awm come after it in the same process and are timed on their first step
-            for s in range(0 if name == "gerl" and not ctx.rehearse else 1, 2):
+            for s in range(0 if name.startswith("gerl") and not ctx.rehearse else 1, 2):
                 ctx.reset_peak()
                 t0 = ctx.sync()
                 batch, res = engine.submit(s, prompts, metadata, group_ids)
@@ -107,7 +111,7 @@ def whole_step(ctx, name: str) -> dict:
     else:
         per = transformer_forward_flops(config, m.resolution, text_len)
         flops = per * images * sum(forwards_per_image(cfg))
-    out = {"recipe": REPO_RECIPES[name][0], "algo": cfg.algo.name, "dtype": m.dtype, "images": images,
+    out = {"recipe": REPO_RECIPES[name][0], "merge_lora": cfg.sampling.merge_lora, "algo": cfg.algo.name, "dtype": m.dtype, "images": images,
            "resolution": m.resolution, "text_len": text_len, "build_s": build_s, "step_s": t2 - t0,
            "rollout_s": t1 - t0, "train_s": t2 - t1, **{k: timings.get(k) for k in
                                                         ("generate_s", "decode_s", "reward_wait_s", "reward_compute_s")},

@@ -55,7 +55,8 @@ def test_a_failing_phase_is_recorded_and_the_later_phases_still_run(tmp_path, ca
 
 @pytest.mark.parametrize("argv, message", [
     (["--phases", "env,warp"],
-     "unknown phase 'warp'; choose from env, smoke, rollout, train, step, fp16, flux_rollout, launcher, launchers"),
+     "unknown phase 'warp'; choose from env, smoke, rollout, train, step, step_merged, fp16, flux_rollout, launcher, "
+     "launchers"),
     (["--fail", "nope"], "unknown phase 'nope'"),
     (["--phases", ","], "--phases names no phase"),
     (["--deadline-s", "-1"], "--deadline-s must be > 0"),
@@ -75,7 +76,8 @@ def test_without_phases_a_gpu_run_is_the_first_device_call_and_a_rehearsal_runs_
     every, _ = gpu_day.parse_args(["--out", str(tmp_path), "--rehearse"])
     second, _ = gpu_day.parse_args(["--out", str(tmp_path), "--phases", "launcher,flux_rollout"])
     assert first.names == ["env", "smoke", "rollout", "train", "step", "fp16", "launcher"]
-    assert every.names == ["env", "smoke", "rollout", "train", "step", "fp16", "flux_rollout", "launcher", "launchers"]
+    assert every.names == ["env", "smoke", "rollout", "train", "step", "step_merged", "fp16", "flux_rollout", "launcher",
+                           "launchers"]
     assert second.names == ["flux_rollout", "launcher"]
 
 
