@@ -164,6 +164,12 @@ def env(ctx: Ctx) -> None:
         except (OSError, subprocess.TimeoutExpired):
             n["driver"] = None
     ctx.save()
+    if ctx.device.type == "cuda":  # before any other GEMM of this process: each thread's first one sizes its workspace
+        try:
+            n["cublas_workspace_mib"] = cublas_workspaces(ctx.device)
+        except Exception as e:  # noqa: BLE001 - a reading beside the phase's own: the matmul peak still gets measured
+            n["cublas_workspace_mib"] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+        ctx.save()
     # the MFU denominator: a large dense matmul (bf16 on the GPU; a small fp32 one on CPU only exercises the code)
     size, dtype = (8192, torch.bfloat16) if ctx.device.type == "cuda" else (512, torch.float32)
     a = torch.randn(size, size, device=ctx.device, dtype=dtype)
@@ -177,6 +183,34 @@ def env(ctx: Ctx) -> None:
     n["matmul_tflops"] = 2 * size**3 * reps / seconds / 1e12
     n["matmul"] = f"{size}x{size}x{size} {str(dtype).removeprefix('torch.')}, {reps} reps after 3 warm-up"
     check_finite("env", {"matmul_tflops": n["matmul_tflops"]})
+
+
+def cublas_workspaces(device) -> dict:
+    """MiB the caching allocator gains at the first GEMM of (a) this thread, (b) autograd's backward thread, (c) a
+    second Python thread — cuBLAS's per-handle workspace, which `gerl plan` does not count yet (docs/benchmarks.md,
+    gpu_day, the H200's launchers: the plan's gap there is 64–69 MiB on a host that trains, 37 on a rollout host)."""
+    import threading
+
+    import torch
+
+    def grown(fn) -> float:
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        out = fn()
+        torch.cuda.synchronize(device)
+        return (torch.cuda.memory_allocated(device) - before - out.numel() * out.element_size()) / 2**20
+
+    a = torch.randn(64, 64, device=device, dtype=torch.bfloat16)
+    w = torch.randn(64, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
+    out = {"main_thread": grown(lambda: a @ a)}
+    y = (a @ w).float().sum()  # the forward's GEMM runs here, on the main thread (its workspace exists now)
+    out["autograd_backward"] = grown(lambda: (y.backward(), w.grad)[1])  # the GEMMs of backward: autograd's thread
+    box = {}
+    t = threading.Thread(target=lambda: box.update(mib=grown(lambda: a @ a)))
+    t.start()
+    t.join()
+    out["second_thread"] = box.get("mib")
+    return out
 
 
 @phase("smoke", cap_s=120, rehearse_cap_s=90, h100_estimate_s=34,
