@@ -164,13 +164,19 @@ def denoise(
     B = x.shape[0]
     recorded_x, recorded_next, recorded_lp = [], [], []
     sde_set = set(sde_steps)
+    # Everything the loop reads from the host goes to the device once, here: a copy from pageable host memory
+    # (torch's .to(device) of a CPU tensor) waits for the device's queue to drain, and one such copy per step would
+    # keep the host from queueing the next forward while the device runs this one (tests/sampling/test_loop.py
+    # counts them). σ and t stay the same fp32 values.
+    sigmas, timesteps = schedule.sigmas.to(x.device), schedule.timesteps.to(x.device)
     # Each sample's SDE noise for all its stochastic steps in one draw from its own generator: (B, K, C, h, w).
     step_noise = None
     if sde_steps:
         step_noise = torch.stack([torch.randn((len(sde_steps), *x.shape[1:]), generator=g) for g in generators])
+        step_noise = step_noise.to(x.device)
     for i in range(schedule.num_steps):
-        sigma, sigma_next = schedule.sigmas[i], schedule.sigmas[i + 1]
-        t = schedule.timesteps[i].expand(B).to(x.device)
+        sigma, sigma_next = sigmas[i], sigmas[i + 1]
+        t = timesteps[i].expand(B)
         v = predict_velocity(transformer, x, t, embeds, guidance)
         if i in sde_set:
             out: StepOutput = stochastic_step(sampler, v, x, sigma, sigma_next, noise_level, schedule.sigma_max,

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from diffusers import StableDiffusion3Pipeline
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from gerl.config import ModelConfig, SamplingConfig, TrainConfig
 from gerl.models.tiny import RESOLUTION, TOKEN_LENGTH
@@ -135,6 +136,46 @@ def test_sde_steps_sit_at_their_schedule_index(tiny_pipe, tiny_embedder, sampler
 
 
 # ------------------------------------------------------------------ trajectory replay
+
+class _HostToDeviceCopies(TorchDispatchMode):
+    """Counts the copies of a CPU tensor onto another device (aten._to_copy / copy_ from the CPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._to_copy.default and kwargs.get("device") is not None:
+            self.n += args[0].device.type == "cpu" and torch.device(kwargs["device"]).type != "cpu"
+        elif func is torch.ops.aten.copy_.default:
+            self.n += args[1].device.type == "cpu" and args[0].device.type != "cpu"
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("sampler, guidance", [("sde", 1.0), ("cps", 4.5)])
+def test_the_denoising_loop_copies_nothing_from_the_host_per_step(tiny_pipe, tiny_embedder, sampler, guidance):
+    """On a GPU a copy from pageable host memory waits for the device's queue to drain: one per step keeps the host
+    from queueing the next forward while the device runs this one. The loop runs here on the meta device (shapes
+    only: no GPU needed), and its host-to-device copies are counted at 4 and at 8 steps: the schedule and the SDE
+    noise go over once, whatever the number of steps (before: 3 more per step, σ, σ_next and t, and one per SDE
+    step for its noise)."""
+    tr = copy.deepcopy(tiny_pipe.transformer).to("meta")
+    embeds = tiny_embedder(PROMPTS[:2])
+    if guidance > 1:
+        embeds = embeds.with_negative(tiny_embedder([""] * 2))
+    embeds = embeds.to("meta")
+    counts = {}
+    for n in (4, 8):
+        sched = make_schedule(tiny_pipe.scheduler.config, n)
+        gens = [torch.Generator().manual_seed(i) for i in range(2)]
+        with _HostToDeviceCopies() as copies:
+            traj = denoise(tr, embeds, torch.zeros(2, *LATENT, device="meta"), sched, [1, 2], sampler, NOISE_LEVEL,
+                           guidance, gens)
+        assert traj.final_latents.device.type == "meta" and traj.latents.shape == (2, 2, *LATENT)
+        counts[n] = copies.n
+    assert counts[4] == counts[8] <= 3, counts
+
 
 def _replay_all(transformer, batch, cfg, split):
     """Replay every recorded transition in micro-batches of `split`, mixing steps within a micro-batch."""
