@@ -112,7 +112,8 @@ def whole_step(ctx, name: str) -> dict:
         per = transformer_forward_flops(config, m.resolution, text_len)
         flops = per * images * sum(forwards_per_image(cfg))
     out = {"recipe": REPO_RECIPES[name][0], "merge_lora": cfg.sampling.merge_lora, "algo": cfg.algo.name,
-           "dtype": m.dtype, "images": images, "resolution": m.resolution, "text_len": text_len, "build_s": build_s, "step_s": t2 - t0,
+           "dtype": m.dtype, "images": images, "resolution": m.resolution, "text_len": text_len, "build_s": build_s,
+           "step_s": t2 - t0,
            "rollout_s": t1 - t0, "train_s": t2 - t1, **{k: timings.get(k) for k in
                                                         ("generate_s", "decode_s", "reward_wait_s", "reward_compute_s")},
            "images_per_s_per_gpu": images / (t2 - t0), "step_tflop": flops / 1e12,
