@@ -83,12 +83,23 @@ def kill_everything(proc: subprocess.Popen, token: str, grace_s: float = 5.0) ->
         proc.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
         pass
-    return sweep(token)
+    return sweep(token, killed_group=proc.pid)
 
 
-def sweep(token: str, wait_s: float = 5.0) -> int:
-    """SIGKILL every live process carrying the marker; wait until they are gone. Returns how many there were."""
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except (ProcessLookupError, PermissionError):
+        return None
+
+
+def sweep(token: str, wait_s: float = 5.0, killed_group: int | None = None) -> int:
+    """SIGKILL every live process carrying the marker; wait until they are gone. Returns how many there were, not
+    counting members of `killed_group`: a group just sent SIGKILL may still show a member that is dying (on a busy
+    machine it can take a moment), which is no straggler."""
     pids = marked_pids(token)
+    # read before the kill; a member that is gone already (None) was dying too
+    stragglers = [p for p in pids if killed_group is None or _pgid(p) not in (killed_group, None)]
     for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)
@@ -97,7 +108,7 @@ def sweep(token: str, wait_s: float = 5.0) -> int:
     deadline = time.monotonic() + wait_s
     while marked_pids(token) and time.monotonic() < deadline:
         time.sleep(0.1)
-    return len(pids)
+    return len(stragglers)
 
 
 def run_group(cmd: list[str], timeout_s: float, env: dict | None = None, **popen) -> tuple[int | None, int]:

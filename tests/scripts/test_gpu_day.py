@@ -115,6 +115,26 @@ def test_a_timeout_kills_every_process_the_command_started(tmp_path):
     assert code == 0 and stragglers == 1 and not _alive(left)
 
 
+def test_a_dying_member_of_the_killed_group_is_no_straggler():
+    """After a timeout the group gets SIGKILL and then the marker sweep runs; on a busy machine a member of the group
+    may still be there (signalled, not yet scheduled to die). The sweep kills it but does not count it: only a
+    process outside the group (its own session) is a straggler. Here the group is left alive on purpose, so both of
+    its processes are what a dying member looks like to the sweep (the CI run of 2026-11-27 counted 2 for 1)."""
+    env, token = procgroup.marked_env({"PATH": os.environ["PATH"]})
+    proc = subprocess.Popen(["bash", "-c", "sleep 300 & setsid sleep 300 & wait"], env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while len(procgroup.marked_pids(token)) < 3 and time.monotonic() < deadline:  # bash and both sleeps
+            time.sleep(0.05)
+        pids = procgroup.marked_pids(token)
+        assert len(pids) == 3 and sum(os.getpgid(p) == proc.pid for p in pids) == 2, pids
+        assert procgroup.sweep(token, killed_group=proc.pid) == 1  # the setsid sleep only
+        assert not procgroup.marked_pids(token) and not any(_alive(p) for p in pids)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_markers_nest():
     """A marked command that runs another keeps the outer marker: the outer sweep reaches the inner processes."""
     env, outer = procgroup.marked_env({"PATH": os.environ["PATH"]})
