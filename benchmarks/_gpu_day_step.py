@@ -14,20 +14,19 @@ import contextlib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+GERL = "recipes/gerl_sd3_fast_ocr.yaml"
+GERL_REHEARSE = ["data.group_size=4", "train.mini_batch_size=4", "train.micro_batch_size=4",
+                 "sampling.micro_batch_size=4", "sampling.num_steps=6"]
+# GeRL's row with the rollout on the merged adapter (sampling.merge_lora): the step_merged phase, paired with "gerl";
+# and with the OCR in worker processes instead of threads: does the OCR's Python share the GIL with the thread that
+# launches the generation's kernels (the merged step generated at 6.4 images/s, the rollout table reads 8.3)?
+MERGED = ["sampling.merge_lora=true"]
+MERGED_PROCS = MERGED + ["reward.pool=process"]
+# (recipe, overrides always applied, overrides added under --rehearse)
 REPO_RECIPES = {
-    "gerl": ("recipes/gerl_sd3_fast_ocr.yaml", [], ["data.group_size=4", "train.mini_batch_size=4",
-                                                   "train.micro_batch_size=4", "sampling.micro_batch_size=4",
-                                                   "sampling.num_steps=6"]),
-    # GeRL's row with the rollout on the merged adapter (sampling.merge_lora): the step_merged phase, paired with "gerl"
-    "gerl_merged": ("recipes/gerl_sd3_fast_ocr.yaml", ["sampling.merge_lora=true"],
-                    ["sampling.merge_lora=true", "data.group_size=4", "train.mini_batch_size=4",
-                     "train.micro_batch_size=4", "sampling.micro_batch_size=4", "sampling.num_steps=6"]),
-    # ... and with the OCR in worker processes instead of threads: does the OCR's Python share the GIL with the thread
-    # that launches the generation's kernels (the merged step generated at 6.4 images/s, the table reads 8.3)?
-    "gerl_merged_procs": ("recipes/gerl_sd3_fast_ocr.yaml", ["sampling.merge_lora=true", "reward.pool=process"],
-                          ["sampling.merge_lora=true", "reward.pool=process", "data.group_size=4",
-                           "train.mini_batch_size=4", "train.micro_batch_size=4", "sampling.micro_batch_size=4",
-                           "sampling.num_steps=6"]),
+    "gerl": (GERL, [], GERL_REHEARSE),
+    "gerl_merged": (GERL, MERGED, GERL_REHEARSE),
+    "gerl_merged_procs": (GERL, MERGED_PROCS, GERL_REHEARSE),
     "nft": ("recipes/nft_sd3_ocr.yaml", ["data.prompts_per_step=2", "data.group_size=9", "train.mini_batch_size=18"],
             ["data.group_size=3", "train.mini_batch_size=6", "train.micro_batch_size=3", "sampling.micro_batch_size=3",
              "algo.train_timesteps=2", "sampling.num_steps=4"]),
