@@ -7,8 +7,10 @@ error. On a GPU: SD3.5-Medium's architecture with random weights (gerl.models.sd
 64 px (fp32 unless said), the same code path.
 
 To add a phase, decorate one function here with @phase(...); its place in this file is its place in the run.
-A phase with first_call=False runs on a GPU only when --phases names it (the rehearsal runs every phase).
-The measuring code is benchmarks/bench_gpu.py's and bench_gpu_launchers.py's, called, not copied.
+`call` says which prepared device call runs it (`--call 1` or `--call 2`; docs/offline_install.md); call=0 runs
+only when --phases names it. env runs in every call. The rehearsal runs the phases of every call.
+The measuring code is benchmarks/bench_gpu.py's, _gpu_day_rollout.py's, _gpu_day_step.py's, _gpu_day_probes.py's
+and bench_gpu_launchers.py's, called, not copied.
 """
 
 from __future__ import annotations
@@ -37,16 +39,16 @@ class Phase:
     what: str  # one line for the log
     needs: tuple[str, ...] = ("torch", "diffusers")  # modules without which the phase is skipped, not failed
     missing_hint: str = ""
-    first_call: bool = True  # False: on a GPU it runs only when --phases names it (the second device call)
+    call: int = 0  # the prepared device call that runs it (1, 2; 0: only when --phases names it)
 
 
 PHASES: dict[str, Phase] = {}
 
 
 def phase(name: str, *, cap_s: int, rehearse_cap_s: int, h100_estimate_s: int, what: str,
-          needs: tuple[str, ...] = ("torch", "diffusers"), missing_hint: str = "", first_call: bool = True):
+          needs: tuple[str, ...] = ("torch", "diffusers"), missing_hint: str = "", call: int = 0):
     def register(fn):
-        PHASES[name] = Phase(name, fn, cap_s, rehearse_cap_s, h100_estimate_s, what, needs, missing_hint, first_call)
+        PHASES[name] = Phase(name, fn, cap_s, rehearse_cap_s, h100_estimate_s, what, needs, missing_hint, call)
         return fn
     return register
 
@@ -135,8 +137,8 @@ def bench_ctx(ctx: Ctx, *extra: str, sampling_changes: dict | None = None):
 
 # ------------------------------------------------------------------ the phases, in the order of value
 
-@phase("env", cap_s=60, rehearse_cap_s=60, h100_estimate_s=15, needs=("torch",),
-       what="GPU, driver, CUDA, NCCL, versions, bf16 matmul TFLOP/s, disk, /dev/shm")
+@phase("env", cap_s=60, rehearse_cap_s=60, h100_estimate_s=15, needs=("torch",), call=1,
+       what="GPU, driver, CUDA, NCCL, versions, bf16 matmul TFLOP/s, cuBLAS workspaces, disk, /dev/shm (every call)")
 def env(ctx: Ctx) -> None:
     import importlib.metadata as md
     import os
@@ -242,52 +244,29 @@ def smoke(ctx: Ctx) -> None:
         raise PhaseFailed(f"max |ratio - 1| before the update {n['ratio_max_dev']:.3g} > {RATIO_BOUND:g}")
     if not (m["optimizer_steps"] == 1 and m["grad_norm"] > 0):
         raise PhaseFailed(f"the update took {m['optimizer_steps']} optimizer step(s), grad_norm {m['grad_norm']}")
-    # sampling.merge_lora's rounding, now that the update moved the adapter's B off zero: the first update's
-    # max |ratio − 1| after a rollout on the unmerged adapter and after one on merged weights (a reading, no bar)
-    for merge in (False, True):
-        key = "merged" if merge else "unmerged"
-        try:
-            c.sampling = dataclasses.replace(c.sampling, merge_lora=merge)
-            trajs, _ = ctx.bench.our_rollout(c, embeds, 0, images_too=False)
-            m = c.actor.update(rollout_batch(c, embeds, trajs, rewards), adv, 1 + merge)
-            n.setdefault("ratio_max_dev_lora_moved", {})[key] = m["ratio_max_dev_before_update"]
-        except Exception as e:  # noqa: BLE001 - a reading beside the phase's checks, which have passed
-            n.setdefault("ratio_max_dev_lora_moved", {})[key] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
-        ctx.save()
-    c.sampling = dataclasses.replace(c.sampling, merge_lora=False)
 
 
-@phase("rollout", cap_s=210, rehearse_cap_s=120, h100_estimate_s=173,
-       what="images/s of our rollout vs stock StableDiffusion3Pipeline.__call__, micro-batch x guidance x LoRA")
+@phase("rollout", cap_s=240, rehearse_cap_s=150, h100_estimate_s=170, call=1,
+       what="images/s: stock StableDiffusion3Pipeline vs gerl's rollout as shipped vs with every exact lever, no "
+            "adapter and r32 LoRA, micro-batch 16/8, guidance 1/4.5; warm-ups per cell and side, 3 rotating reps")
 def rollout(ctx: Ctx) -> None:
-    from gerl.config import ModelConfig
-    from gerl.models.loader import add_lora
+    from _gpu_day_rollout import rollout as measure
 
-    n = ctx.numbers
-    sizes = (1, 2) if ctx.rehearse else (8, 16, 32)
-    fewer = ["--num-steps", "4", "--sde-window", "1", "--sde-window-range", "0", "2"] if ctx.rehearse else []
-    c, n["build_s"] = bench_ctx(ctx, "--prompts", "1", "--group-size", str(max(sizes)), "--lora-rank", "0", *fewer)
-    n["rows"], warm = [], set()
-    for lora in (False, True, "merged"):
-        if lora is True:  # the unmerged adapter gerl trains (r32/α64 on its default targets), B = 0 as PEFT starts it
-            add_lora(c.pipe.transformer, 32, 64.0, ModelConfig().lora_targets)
-        # sampling.merge_lora: the same adapter merged into W0 for the rollout (one size, both guidances; the stock
-        # pipeline beside it runs the unmerged adapter, as a PEFT user's would)
-        for mb in (sizes if lora != "merged" else sizes[1:2]):
-            for g in (1.0, 4.5):
-                c.images = mb
-                c.sampling = dataclasses.replace(c.sampling, micro_batch_size=mb, guidance_scale=g,
-                                                 merge_lora=lora == "merged")
-                embeds = ctx.bench.step_embeds(c, 0)
-                # one warm-up per shape (kernel choice and caches are per shape), then one timed run of each
-                res, _ = ctx.bench.compare_stock(c, embeds, reps=1, warmup=0 if (mb, g) in warm else 1)
-                warm.add((mb, g))
-                n["rows"].append({"lora": lora, "micro_batch": mb, "guidance": g,
-                                  **{k: res[k] for k in ("ours_images_per_s", "stock_images_per_s", "ratio")}})
-                ctx.save()
-    n["min_ratio"] = min(r["ratio"] for r in n["rows"] if r["lora"] != "merged")
-    n["bar"] = ctx.bench.STOCK_BAR
-    c.sampling = dataclasses.replace(c.sampling, merge_lora=False)
+    measure(ctx)
+
+
+@phase("ratio", cap_s=150, rehearse_cap_s=120, h100_estimate_s=90, call=1,
+       what="max |ratio - 1| of the first update after the adapter moved, bf16 and fp16: shipped, exact merged LoRA, "
+            "merged + compiled")
+def ratio(ctx: Ctx) -> None:
+    from _gpu_day_rollout import ratio as measure
+
+    measure(ctx)
+    for dtype in ("bf16", "fp16"):
+        row = ctx.numbers.get(dtype, {})
+        bad = [k for k in ("shipped", "merged", "merged_compiled") if not row.get(k, float("nan")) <= RATIO_BOUND]
+        if bad:
+            raise PhaseFailed(f"{dtype}: max |ratio - 1| above {RATIO_BOUND:g} (or not measured) for {', '.join(bad)}")
 
 
 @phase("train", cap_s=90, rehearse_cap_s=90, h100_estimate_s=54,
@@ -353,27 +332,83 @@ def train_plan(ctx: Ctx, images: int) -> dict:
     return out
 
 
-@phase("step", cap_s=300, rehearse_cap_s=150, h100_estimate_s=240, needs=("torch", "diffusers", "rapidocr"),
-       what="one whole step of GeRL's row (OCR reward on CPU threads), then DiffusionNFT's and AWM's recipes")
+def variants(ctx: Ctx, names: tuple[str, ...]) -> None:
+    """Whole steps of each named variant (benchmarks/_gpu_day_step.py), saved as each ends; with the attention
+    backend the rollout phase found fastest on this machine when it ran in this call."""
+    from _gpu_day_step import LEVERS, whole_step
+
+    best = attention_measured(ctx.out)
+    for name in names:
+        extra = [f"model.attention_backend={best}"] if best and any(k in LEVERS for k in variant_keys(name)) else []
+        ctx.numbers[name] = whole_step(ctx, name, extra)
+        ctx.save()
+
+
+def variant_keys(name: str) -> list[str]:
+    from _gpu_day_step import VARIANTS
+
+    return VARIANTS[name][1]
+
+
+def attention_measured(out: Path) -> str | None:
+    """The fastest attention backend of this call's rollout phase (gpu_day.json, rewritten after each phase)."""
+    import json
+
+    try:
+        return json.loads((out / "gpu_day.json").read_text())["phases"]["rollout"]["attention"]["best"]
+    except (OSError, KeyError, TypeError, ValueError):
+        return None
+
+
+@phase("step8", cap_s=200, rehearse_cap_s=150, h100_estimate_s=110, needs=("torch", "diffusers", "rapidocr"), call=1,
+       what="GeRL's row at 8 images per GPU (one group, mini-batch 4: one GPU's share of GeRL's 8-GPU run), as "
+            "shipped and with every exact lever; OCR reward on CPU threads")
+def step8(ctx: Ctx) -> None:
+    variants(ctx, ("gerl8", "gerl8_levers"))
+
+
+@phase("step", cap_s=240, rehearse_cap_s=150, h100_estimate_s=170, needs=("torch", "diffusers", "rapidocr"), call=2,
+       what="GeRL's row at 64 images on one GPU (8 prompts x 8), as shipped and with every exact lever")
 def step(ctx: Ctx) -> None:
-    from _gpu_day_step import whole_step
-
-    for name in ("gerl", "nft", "awm"):
-        ctx.numbers[name] = whole_step(ctx, name)
-        ctx.save()
+    variants(ctx, ("gerl", "gerl_levers"))
 
 
-@phase("step_merged", cap_s=270, rehearse_cap_s=150, h100_estimate_s=180, needs=("torch", "diffusers", "rapidocr"),
-       first_call=False,
-       what="GeRL's row in one process: the rollout on the merged adapter (sampling.merge_lora), then unmerged, then "
-            "merged with the OCR in processes")
-def step_merged(ctx: Ctx) -> None:
-    from _gpu_day_step import whole_step
+@phase("algos", cap_s=150, rehearse_cap_s=150, h100_estimate_s=90, needs=("torch", "diffusers", "rapidocr"), call=2,
+       what="DiffusionNFT's, AWM's and DGPO's steps in bf16 with TF32 (one GPU's share of their recipes)")
+def algos(ctx: Ctx) -> None:
+    variants(ctx, ("nft", "awm", "dgpo"))
 
-    # the pair first (measured on the H200: 2.86 vs 2.56 images/s/GPU); should the cap cut the third, the pair is in
-    for name in ("gerl_merged", "gerl", "gerl_merged_procs"):
-        ctx.numbers[name] = whole_step(ctx, name)
-        ctx.save()
+
+@phase("profile", cap_s=90, rehearse_cap_s=90, h100_estimate_s=40, call=2,
+       what="torch.profiler over one rollout and one training micro-batch: GPU-busy fraction, kernel-class shares")
+def profile(ctx: Ctx) -> None:
+    from _gpu_day_probes import profile as measure
+
+    measure(ctx)
+
+
+@phase("ocr", cap_s=90, rehearse_cap_s=90, h100_estimate_s=30, needs=("torch", "rapidocr"), call=2,
+       what="the OCR reward on each prompt's target text rendered with PIL at 512 px, 2/4/8 worker threads")
+def ocr(ctx: Ctx) -> None:
+    from _gpu_day_probes import ocr as measure
+
+    measure(ctx)
+
+
+@phase("t5", cap_s=60, rehearse_cap_s=60, h100_estimate_s=25, needs=("torch", "transformers"), call=2,
+       what="text-encoder cost per prompt (CLIP-L, CLIP-G, T5-XXL, bf16) at 256 and 512 T5 tokens")
+def t5(ctx: Ctx) -> None:
+    from _gpu_day_probes import t5 as measure
+
+    measure(ctx)
+
+
+@phase("validation", cap_s=90, rehearse_cap_s=90, h100_estimate_s=40, needs=("torch", "diffusers", "rapidocr"),
+       call=2, what="one validation pass of GeRL's recipe (32 prompts, 40 ODE steps, OCR)")
+def validation(ctx: Ctx) -> None:
+    from _gpu_day_probes import validation as measure
+
+    measure(ctx)
 
 
 @phase("fp16", cap_s=120, rehearse_cap_s=90, h100_estimate_s=84,
@@ -405,8 +440,8 @@ def fp16(ctx: Ctx) -> None:
         raise PhaseFailed(f"fp16 LoRA gradient cosine to fp32 {g['cosine']:.5f} < {g['bar']}")
 
 
-# Not in the first device call: its ≈ 30 s do not fit that call's 5 minutes (docs/benchmarks.md, "gpu_day").
-@phase("flux_rollout", cap_s=90, rehearse_cap_s=60, h100_estimate_s=41, first_call=False,
+# In no prepared call of the third GPU day (its uncompiled numbers are the first two days'): name it with --phases.
+@phase("flux_rollout", cap_s=90, rehearse_cap_s=60, h100_estimate_s=41,
        what="FLUX.1-dev architecture, bf16: images/s of our rollout vs stock FluxPipeline.__call__ at 512 and 1024 px",
        missing_hint="the second call runs on the first call's .site/: make it at once, while the machine is warm")
 def flux_rollout(ctx: Ctx) -> None:
@@ -434,7 +469,7 @@ def launcher(ctx: Ctx) -> None:
 
 
 
-@phase("launchers", cap_s=290, rehearse_cap_s=400, h100_estimate_s=260, first_call=False,
+@phase("launchers", cap_s=290, rehearse_cap_s=400, h100_estimate_s=260,
        needs=("torch", "diffusers", "rapidocr", "ray"),
        what="the other four GPU launchers for 2 steps each on this one GPU: 3p_a2_r1, 3p_hybrid, 1p_with_reward, 8p",
        missing_hint="carry .whl/ray in a call right after one that carried .whl/gpu: docs/offline_install.md")

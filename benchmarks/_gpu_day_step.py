@@ -1,49 +1,68 @@
-"""gpu_day's `step` phase: one whole training step of a recipe, through gerl's own local engine (the rollout role
-with its OCR reward futures, advantages, the actor role's update) on SD3.5-M's architecture with random weights.
+"""gpu_day's whole-step phases: one training step of a recipe through gerl's own local engine (the rollout role with
+its OCR reward futures, advantages, the actor role's update), on SD3.5-M's architecture with random weights, built
+exactly as `gerl train` builds a run (gerl.engine.roles.prepare_pipeline: TF32, the adapter, every speed lever the
+config names).
 
-GeRL's row runs at its recipe's batch (8 prompts × 8 images, fp16, window 3, micro-batch 8, mini-batch 32).
-DiffusionNFT's and AWM's recipes are per step 1152 and 1728 images over 8 GPUs; here one GPU runs one prompt
-pair of their settings (18 and 12 images: micro-batches that divide, one optimizer step), so their number is
-images/s on one GPU, not their step time. Prompt embeddings are random tensors of the real shapes (77 + the
-recipe's T5 tokens): the text encoders run once per distinct prompt in a real run (gerl's embedding cache).
+GeRL's row at its recipe's batch (8 prompts × 8 images, fp16, window 3, micro-batch 8, mini-batch 32) is what one
+GPU of a 1-GPU run does; GeRL spread the same 64 images over 8 GPUs, 8 per GPU (its 1.0 images/s/GPU on an H800),
+so the like-for-like row is one group of 8 images with GeRL's per-GPU mini-batch of 4 (two optimizer steps).
+Each row as shipped and with every exact lever (LEVERS). DiffusionNFT's, AWM's and DGPO's recipes run one GPU's
+share of their settings in bf16 (their recipes are fp32 on TF32), so that the algorithms' GPU cost per image
+compares with Flow-GRPO's. Prompt embeddings are random tensors of the real shapes, cached per prompt as gerl's
+embedding cache keeps them (the text encoders: the `t5` phase). Every variant gets its own warm-up step (compile,
+kernel choice, the OCR model) before its timed steps; the warm-up's time is reported as `first_step_s`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import statistics
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 GERL = "recipes/gerl_sd3_fast_ocr.yaml"
 GERL_REHEARSE = ["data.group_size=4", "train.mini_batch_size=4", "train.micro_batch_size=4",
                  "sampling.micro_batch_size=4", "sampling.num_steps=6"]
-# GeRL's row with the rollout on the merged adapter (sampling.merge_lora): the step_merged phase, paired with "gerl";
-# and with the OCR in worker processes instead of threads: does the OCR's Python share the GIL with the thread that
-# launches the generation's kernels (the merged step generated at 6.4 images/s, the rollout table reads 8.3)?
-MERGED = ["sampling.merge_lora=true"]
-MERGED_PROCS = MERGED + ["reward.pool=process"]
-# (recipe, overrides always applied, overrides added under --rehearse)
-REPO_RECIPES = {
-    "gerl": (GERL, [], GERL_REHEARSE),
-    "gerl_merged": (GERL, MERGED, GERL_REHEARSE),
-    "gerl_merged_procs": (GERL, MERGED_PROCS, GERL_REHEARSE),
-    "nft": ("recipes/nft_sd3_ocr.yaml", ["data.prompts_per_step=2", "data.group_size=9", "train.mini_batch_size=18"],
+# one GPU's share of GeRL's 8-GPU run: one group of 8; ppo_mini_batch_size 4 prompts × 8 / 8 GPUs = 4 per GPU
+PER_GPU_8 = ["data.prompts_per_step=1", "train.mini_batch_size=4", "train.micro_batch_size=4"]
+PER_GPU_8_REHEARSE = ["data.group_size=4", "train.mini_batch_size=2", "train.micro_batch_size=2",
+                      "sampling.micro_batch_size=4", "sampling.num_steps=6"]
+# every lever that keeps the ratio exact (docs/architecture.md, "Speed levers"); the attention backend is the
+# fastest one the rollout phase measured on this machine (gpu_day passes it in GERL_GPU_DAY_ATTENTION)
+LEVERS = ["model.merge_lora=true", "model.compile=true", "model.vae_dtype=bf16"]
+BF16 = ["model.dtype=bf16"]
+# name: (recipe, overrides, overrides added under --rehearse, timed steps)
+VARIANTS = {
+    "gerl8": (GERL, PER_GPU_8, PER_GPU_8_REHEARSE, 3),
+    "gerl8_levers": (GERL, PER_GPU_8 + LEVERS, PER_GPU_8_REHEARSE, 3),
+    "gerl": (GERL, [], GERL_REHEARSE, 2),
+    "gerl_levers": (GERL, LEVERS, GERL_REHEARSE, 2),
+    "nft": ("recipes/nft_sd3_ocr.yaml", BF16 + ["data.prompts_per_step=2", "data.group_size=9",
+                                               "train.mini_batch_size=18"],
             ["data.group_size=3", "train.mini_batch_size=6", "train.micro_batch_size=3", "sampling.micro_batch_size=3",
-             "algo.train_timesteps=2", "sampling.num_steps=4"]),
-    "awm": ("recipes/awm_sd3_ocr.yaml", ["data.prompts_per_step=2", "data.group_size=6", "train.mini_batch_size=12"],
+             "algo.train_timesteps=2", "sampling.num_steps=4"], 2),
+    "awm": ("recipes/awm_sd3_ocr.yaml", BF16 + ["data.prompts_per_step=2", "data.group_size=6",
+                                               "train.mini_batch_size=12"],
             ["data.group_size=3", "train.mini_batch_size=6", "sampling.micro_batch_size=3", "algo.train_timesteps=2",
-             "sampling.num_steps=4"]),
+             "sampling.num_steps=4"], 2),
+    "dgpo": ("recipes/dgpo_sd3_ocr.yaml", BF16 + ["data.prompts_per_step=1"],
+             ["data.group_size=4", "train.mini_batch_size=4", "train.micro_batch_size=4", "sampling.micro_batch_size=4",
+              "algo.train_timesteps=2", "sampling.num_steps=4"], 2),
 }
-# --rehearse: the tiny SD3 at 64 px, 2 prompts, small groups, fewer denoising steps, 2 trained noise levels (nft,
-# awm); each recipe's algorithm, dtype, sampler, window and schedule kept
+# --rehearse: the tiny SD3 at 64 px, small groups, fewer denoising steps, 2 trained noise levels (nft, awm, dgpo);
+# each recipe's algorithm, dtype, sampler, window and schedule kept
 REHEARSE = ["model.path=tiny", "model.resolution=64", "data.prompts_per_step=2", "log.progress_bar=false"]
+REHEARSE_TIMED = 1  # timed steps of each variant on a CPU rehearsal
 
 
-def step_config(name: str, rehearse: bool):
+def step_config(name: str, rehearse: bool, extra: list[str] = ()):
     from gerl.config import load_config
 
-    path, gpu, cpu = REPO_RECIPES[name]
-    return load_config(path, gpu + (REHEARSE + cpu if rehearse else []) + ["engine.kind=local"])
+    path, gpu, cpu, _ = VARIANTS[name]
+    rehearse_keys = REHEARSE + cpu if rehearse else []
+    if rehearse and "data.prompts_per_step=1" in gpu:
+        rehearse_keys = [k for k in rehearse_keys if not k.startswith("data.prompts_per_step")]
+    return load_config(path, [*gpu, *rehearse_keys, *extra, "engine.kind=local"])
 
 
 def forwards_per_image(cfg) -> tuple[int, int]:
@@ -56,41 +75,53 @@ def forwards_per_image(cfg) -> tuple[int, int]:
         per_point += 1  # the anchor's velocity
     if a.name == "awm":
         per_point += 1  # the old log-prob's no-grad forward
+    if a.name == "dgpo":
+        per_point += 1  # the reference's error
     return rollout, a.train_timesteps * per_point * t.inner_epochs
 
 
-def whole_step(ctx, name: str) -> dict:
-    """Warm-up step, then one timed step of recipe `name`: images/s/GPU, seconds per stage, MFU, peak memory."""
+def build_engine(ctx, cfg):
+    """A LocalEngine on SD3.5-M's architecture (random weights; the tiny SD3 on a rehearsal) built as `gerl train`
+    builds one: the VAE in fp32 as the loader loads it, then roles.prepare_pipeline (TF32, the adapter, the
+    levers), random cached embeddings of the real shapes. (engine, build seconds, text tokens)."""
     import torch
 
-    from gerl.algo.advantages import compute_advantages
-    from gerl.data.prompts import load_prompts
     from gerl.engine.local import LocalEngine
-    from gerl.logging.throughput import flow_grpo_step_flops, mfu, peak_tflops_for, transformer_forward_flops
-    from gerl.models.loader import add_lora
-    from gerl.numerics import Fp16GemmEmulation
+    from gerl.engine.roles import prepare_pipeline
 
-    cfg = step_config(name, ctx.rehearse)
     m = cfg.model
     extra = ["--lora-rank", "0", "--dtype", m.dtype, "--prompts", "1", "--group-size", "1"]
     args = ctx.args(*extra, *([] if ctx.rehearse else ["--t5-tokens", str(m.max_sequence_length)]))
     t = ctx.sync()
     pipe, embedder, text_len = ctx.bench.build(args, ctx.device)
-    add_lora(pipe.transformer, m.lora_rank, m.lora_alpha, m.lora_targets, m.lora_init, seed=cfg.seed)
+    pipe.vae.to(torch.float32)  # gerl's loader loads the VAE in fp32; model.vae_dtype decides from there
+    prepare_pipeline(pipe, cfg, ctx.device)
     engine = LocalEngine(cfg, None, pipe)
     engine.rollout.worker.embedder = embedder  # random embeddings of the real shapes (no tokenizers here)
-    build_s = ctx.sync() - t
+    return engine, ctx.sync() - t, text_len
+
+
+def whole_step(ctx, name: str, extra: list[str] = ()) -> dict:
+    """A warm-up step, then the variant's timed steps of recipe `name`: images/s/GPU (median and best), seconds per
+    stage, MFU, peak memory, the settings."""
+    import torch
+
+    from gerl.algo.advantages import compute_advantages
+    from gerl.data.prompts import load_prompts
+    from gerl.numerics import Fp16GemmEmulation
+
+    cfg = step_config(name, ctx.rehearse, list(extra))
+    engine, build_s, text_len = build_engine(ctx, cfg)
     chosen = load_prompts(REPO / cfg.data.train_prompts)[: cfg.data.prompts_per_step]
     prompts = [p.text for p in chosen for _ in range(cfg.data.group_size)]
     metadata = [dict(p.metadata) for p in chosen for _ in range(cfg.data.group_size)]
     group_ids = torch.arange(len(chosen)).repeat_interleave(cfg.data.group_size)
-    emulate = ctx.device.type == "cpu" and m.dtype == "fp16"  # a GPU's fp16 GEMMs at fp32 speed on the CPU
+    emulate = ctx.device.type == "cpu" and cfg.model.dtype == "fp16"  # a GPU's fp16 GEMMs at fp32 speed on the CPU
+    timed = REHEARSE_TIMED if ctx.rehearse else VARIANTS[name][3]
     rows = []
     try:
         with Fp16GemmEmulation() if emulate else contextlib.nullcontext():
-            # GeRL's row first: its step 0 is the warm-up (CUDA context, kernels, the OCR model), step 1 is timed;
-            # nft and awm come after it in the same process and are timed on their first step
-            for s in range(0 if name.startswith("gerl") and not ctx.rehearse else 1, 2):
+            for s in range(1 + timed):  # step 0 warms up (compile, kernels, the OCR model); the rest are timed
                 ctx.reset_peak()
                 t0 = ctx.sync()
                 batch, res = engine.submit(s, prompts, metadata, group_ids)
@@ -100,35 +131,67 @@ def whole_step(ctx, name: str) -> dict:
                 metrics = engine.update(batch, adv, s)
                 engine.sync()
                 t2 = ctx.sync()
-                rows.append((t0, t1, t2, batch.timings, metrics, ctx.peak_gib()))
+                rows.append({"step_s": t2 - t0, "rollout_s": t1 - t0, "train_s": t2 - t1, "timings": batch.timings,
+                             "metrics": metrics, "peak": ctx.peak_gib(), "rewards": rewards})
     finally:
-        engine.rollout.close()
-    t0, t1, t2, timings, metrics, peak = rows[-1]
-    images = len(prompts)
+        engine.close()
+    out = summarize(ctx, cfg, name, rows, text_len, engine)
+    out.update(build_s=build_s, first_step_s=rows[0]["step_s"])
+    from _gpu_day_phases import check_finite
+
+    check_finite(f"{name} step", {k: v for k, v in rows[-1]["metrics"].items() if isinstance(v, float)
+                                  and k != "ratio_max_dev_before_update"})
+    del engine
+    if ctx.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def summarize(ctx, cfg, name: str, rows: list[dict], text_len: int, engine) -> dict:
+    """The timed steps' medians (and the best step), MFU from the FLOPs model, the settings."""
+    import torch
+
+    from gerl.logging.throughput import flow_grpo_step_flops, mfu, peak_tflops_for, transformer_forward_flops
+
+    m, timed = cfg.model, rows[1:]
+    images = len(timed[-1]["rewards"])
+    med = lambda key: statistics.median(r[key] for r in timed)  # noqa: E731
+    stage = lambda key: statistics.median(r["timings"].get(key) or 0.0 for r in timed)  # noqa: E731
+    metrics = timed[-1]["metrics"]
     device_name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"
-    tflops = peak_tflops_for(device_name, m.dtype, tf32=m.tf32)  # fp32 recipes run on TF32 cores (engine/roles.py)
-    config = dict(pipe.transformer.config)
+    tflops = peak_tflops_for(device_name, m.dtype, tf32=m.tf32)
+    config = dict(engine.rollout.pipe.transformer.config)
     if cfg.algo.name == "flow_grpo":
         flops = flow_grpo_step_flops(config, resolution=m.resolution, text_len=text_len, images=images,
                                      num_steps=cfg.sampling.num_steps, guidance_scale=cfg.sampling.guidance_scale,
                                      trained_steps=metrics["trained_steps_per_sample"],
                                      inner_epochs=cfg.train.inner_epochs, vae_scale_factor=8)["total"]
     else:
-        per = transformer_forward_flops(config, m.resolution, text_len)
-        flops = per * images * sum(forwards_per_image(cfg))
-    out = {"recipe": REPO_RECIPES[name][0], "merge_lora": cfg.sampling.merge_lora, "reward_pool": cfg.reward.pool,
-           "algo": cfg.algo.name,
-           "dtype": m.dtype, "images": images, "resolution": m.resolution, "text_len": text_len, "build_s": build_s,
-           "step_s": t2 - t0,
-           "rollout_s": t1 - t0, "train_s": t2 - t1, **{k: timings.get(k) for k in
-                                                        ("generate_s", "decode_s", "reward_wait_s", "reward_compute_s")},
-           "images_per_s_per_gpu": images / (t2 - t0), "step_tflop": flops / 1e12,
-           "mfu": mfu(flops, t2 - t0, 1, tflops), "peak_tflops": tflops, "peak_gib": peak, "grad_norm": metrics.get("grad_norm"),
-           "optimizer_steps": metrics.get("optimizer_steps"), "grad_zero_frac": metrics.get("grad_zero_frac"),
-           "loss_scale": metrics.get("loss_scale"), "reward_mean": float(rewards.mean())}
-    from _gpu_day_phases import check_finite
+        flops = transformer_forward_flops(config, m.resolution, text_len) * images * sum(forwards_per_image(cfg))
+    step_s = med("step_s")
+    return {"recipe": VARIANTS[name][0], "algo": cfg.algo.name, "images": images, "text_len": text_len,
+            "settings": step_settings(cfg), "reps": len(timed),
+            "step_s": step_s, "step_times_s": [r["step_s"] for r in timed], "rollout_s": med("rollout_s"),
+            "train_s": med("train_s"), **{k: stage(k) for k in ("generate_s", "decode_s", "reward_wait_s",
+                                                              "reward_compute_s")},
+            "images_per_s_per_gpu": images / step_s, "best_images_per_s_per_gpu": images / min(r["step_s"] for r in timed),
+            "step_tflop": flops / 1e12, "mfu": mfu(flops, step_s, 1, tflops), "peak_tflops": tflops,
+            "peak_gib": max((r["peak"] or 0.0) for r in timed) or None, "grad_norm": metrics.get("grad_norm"),
+            "optimizer_steps": metrics.get("optimizer_steps"), "grad_zero_frac": metrics.get("grad_zero_frac"),
+            "ratio_max_dev": metrics.get("ratio_max_dev_before_update"), "loss_scale": metrics.get("loss_scale"),
+            "reward_mean": float(timed[-1]["rewards"].mean())}
 
-    check_finite(f"{name} step", {k: v for k, v in metrics.items() if isinstance(v, float)
-                                  and k != "ratio_max_dev_before_update"})
-    return out
 
+def step_settings(cfg) -> dict:
+    """What a reader needs to compare two rows: the model settings and levers, the batch arithmetic, the sampler."""
+    import torch
+
+    m, s, t, d = cfg.model, cfg.sampling, cfg.train, cfg.data
+    levers = {k: getattr(m, k) for k in ("merge_lora", "compile", "vae_dtype", "attention_backend") if hasattr(m, k)}
+    return {"dtype": m.dtype, "resolution": m.resolution, "text_tokens": m.max_sequence_length,
+            "tf32": torch.backends.cuda.matmul.allow_tf32, **levers, "lora_rank": m.lora_rank,
+            "prompts": d.prompts_per_step, "group_size": d.group_size, "steps": s.num_steps,
+            "guidance": s.guidance_scale, "sampler": s.sampler, "window": s.sde_window_size,
+            "rollout_micro_batch": s.micro_batch_size, "mini_batch": t.mini_batch_size,
+            "train_micro_batch": t.micro_batch_size, "reward": cfg.reward.name, "reward_workers": cfg.reward.workers,
+            "reward_pool": cfg.reward.pool, "with_reward": cfg.reward.with_reward}

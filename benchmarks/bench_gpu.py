@@ -120,26 +120,30 @@ TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")  # CLIP-L, 
 
 
 class RandomEmbedder:
-    """Stands in for the text encoders: seeded random embeddings of the real shapes, one per distinct prompt."""
+    """Stands in for the text encoders: seeded random embeddings of the real shapes, one per distinct prompt, kept
+    on the device once drawn — as gerl's TextEmbedder caches each prompt's embeddings, so that no CPU normals are
+    drawn (nor copied to the device) inside a timed generation after a prompt's first use."""
 
     def __init__(self, text_len: int, width: int, pooled: int, device, dtype):
         self.text_len, self.width, self.pooled, self.device, self.dtype = text_len, width, pooled, device, dtype
+        self._cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _one(self, text: str) -> tuple[torch.Tensor, torch.Tensor]:
+        if text not in self._cache:
+            g = torch.Generator().manual_seed(zlib.crc32(text.encode()))
+            prompt, pooled = torch.randn(self.text_len, self.width, generator=g), torch.randn(self.pooled, generator=g)
+            self._cache[text] = prompt.to(self.device, self.dtype), pooled.to(self.device, self.dtype)
+        return self._cache[text]
 
     def __call__(self, prompts: list[str], with_negative: bool = False) -> Embeds:
-        def one(i: int):
-            g = torch.Generator().manual_seed(zlib.crc32(prompts[i].encode()))
-            return torch.randn(self.text_len, self.width, generator=g), torch.randn(self.pooled, generator=g)
-
-        pairs = [one(i) for i in range(len(prompts))]
-        to = lambda t: t.to(self.device, self.dtype)  # noqa: E731
+        pairs = [self._one(p) for p in prompts]
+        emb = Embeds(torch.stack([p for p, _ in pairs]), torch.stack([q for _, q in pairs]))
         if not with_negative:
-            return Embeds(to(torch.stack([p for p, _ in pairs])), to(torch.stack([q for _, q in pairs])))
+            return emb
         # classifier-free guidance: the empty prompt's embeddings (the same for every sample) as the negative pair
-        neg_p, neg_q = (lambda g: (torch.randn(self.text_len, self.width, generator=g),
-                                   torch.randn(self.pooled, generator=g)))(torch.Generator().manual_seed(zlib.crc32(b"")))
+        neg_p, neg_q = self._one("")
         n = len(prompts)
-        return Embeds(to(torch.stack([p for p, _ in pairs])), to(torch.stack([q for _, q in pairs])),
-                      to(neg_p.expand(n, -1, -1)), to(neg_q.expand(n, -1)))
+        return Embeds(emb.prompt, emb.pooled, neg_p.expand(n, -1, -1), neg_q.expand(n, -1))
 
 
 def sd35_transformer(layers: int | None, device: torch.device, dtype: torch.dtype):
@@ -286,19 +290,21 @@ def run_step(step: int, mode: str, ctx) -> dict:
 
 # ------------------------------------------------------------------ our rollout vs the stock diffusers pipeline
 
-def our_rollout(ctx, embeds: list[Embeds], step: int, images_too: bool = True) -> tuple[list[Trajectory], list]:
+def our_rollout(ctx, embeds: list[Embeds], step: int, images_too: bool = True, pipe=None
+                ) -> tuple[list[Trajectory], list]:
     """Our rollout of one step on precomputed per-micro-batch embeddings: `denoise` (SDE window recorded) + `decode`
-    (unless not `images_too`)."""
-    s, dev = ctx.sampling, ctx.device
+    (unless not `images_too`), with ctx's pipeline or `pipe` (its transformer and VAE: another copy of the weights,
+    e.g. with the speed levers applied)."""
+    s, dev, pipe = ctx.sampling, ctx.device, pipe or ctx.pipe
     window = step_window(ctx, step)
     trajs, images = [], []
     with merged_lora(ctx):
         for sl, emb in zip(micro_batches(ctx.images, s.micro_batch_size), embeds):
             noise, gens = latent_noise([sample_seed(0, step, i) for i in range(sl.start, sl.stop)], ctx.latent_shape)
-            traj = denoise(ctx.pipe.transformer, emb, noise.to(dev), ctx.schedule, window, s.sampler, s.noise_level,
+            traj = denoise(pipe.transformer, emb, noise.to(dev), ctx.schedule, window, s.sampler, s.noise_level,
                            s.guidance_scale, gens)
             trajs.append(traj)
-            images += decode(ctx.pipe.vae, traj.final_latents, family_of(ctx.pipe)) if images_too else []
+            images += decode(pipe.vae, traj.final_latents, family_of(ctx.pipe)) if images_too else []
     return trajs, images
 
 
@@ -351,30 +357,45 @@ def step_embeds(ctx, step: int) -> list[Embeds]:
 
 
 def compare_stock(ctx, embeds: list[Embeds], reps: int, warmup: int = 1, stock=None,
-                  run_stock=None) -> tuple[dict, list[Trajectory]]:
-    """Images/s of our rollout and of the stock pipeline on step 0's `embeds`, alternating (ours then stock) over
-    warm-up + `reps` repetitions; medians of the timed ones. Also returns our last rollout's trajectories.
-    `stock` and `run_stock(ctx, stock, embeds, step)` default to StableDiffusion3Pipeline's (another family's
-    benchmark passes its own pipeline and call: benchmarks/_gpu_day_flux.py)."""
+                  run_stock=None, ours=None) -> tuple[dict, list[Trajectory]]:
+    """Images/s of our rollout and of the stock pipeline on step 0's `embeds`: `warmup` untimed runs of each, then
+    `reps` timed repetitions whose order alternates (ours then stock, stock then ours, ...) so that neither side
+    always runs on the other's warm caches or clocks; each side's min and median, and every time. Also returns our
+    last rollout's trajectories. `stock` and `run_stock(ctx, stock, embeds, step)` default to
+    StableDiffusion3Pipeline's (another family's benchmark passes its own: benchmarks/_gpu_day_flux.py); `ours(ctx,
+    embeds, step)` defaults to `our_rollout`. The caller keys its warm-ups by everything that changes the kernels
+    (adapter, micro-batch, guidance, compile): a cell measured right after another shape runs cold otherwise."""
     stock = stock if stock is not None else stock_pipeline(ctx.pipe)
     run_stock = run_stock or stock_rollout
-    ours_s, stock_s = [], []
-    for r in range(warmup + reps):
+    run_ours = ours or our_rollout
+    times: dict[str, list[float]] = {"ours": [], "stock": []}
+    trajs: list[Trajectory] = []
+
+    def one(side: str, timed: bool) -> None:
+        nonlocal trajs
         t0 = sync(ctx.device)
-        with ctx.peaks.stage("rollout_ours"):
-            trajs, images = our_rollout(ctx, embeds, 0)
+        with ctx.peaks.stage("rollout_ours" if side == "ours" else "stock"):
+            if side == "ours":
+                trajs, images = run_ours(ctx, embeds, 0)
+            else:
+                images = run_stock(ctx, stock, embeds, 0)
             t1 = sync(ctx.device)
-        with ctx.peaks.stage("stock"):
-            stock_images = run_stock(ctx, stock, embeds, 0)
-            t2 = sync(ctx.device)
-        assert len(images) == len(stock_images) == ctx.images
-        if r >= warmup:
-            ours_s.append(t1 - t0)
-            stock_s.append(t2 - t1)
-    ours = ctx.images / statistics.median(ours_s)
-    theirs = ctx.images / statistics.median(stock_s)
-    return {"ours_images_per_s": ours, "stock_images_per_s": theirs, "ratio": ours / theirs,
-            "ours_s": statistics.median(ours_s), "stock_s": statistics.median(stock_s), "reps": reps,
+        assert len(images) == ctx.images, (side, len(images), ctx.images)
+        if timed:
+            times[side].append(t1 - t0)
+
+    for _ in range(warmup):
+        one("ours", False)
+        one("stock", False)
+    for r in range(reps):
+        for side in (("ours", "stock") if r % 2 == 0 else ("stock", "ours")):
+            one(side, True)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"ours_images_per_s": ctx.images / med["ours"], "stock_images_per_s": ctx.images / med["stock"],
+            "ratio": med["stock"] / med["ours"], "ours_s": med["ours"], "stock_s": med["stock"],
+            "ours_min_s": min(times["ours"]), "stock_min_s": min(times["stock"]),
+            "ratio_of_mins": min(times["stock"]) / min(times["ours"]), "ours_times_s": times["ours"],
+            "stock_times_s": times["stock"], "reps": reps, "warmup": warmup, "order": "alternating",
             "output_type": "pil"}, trajs
 
 

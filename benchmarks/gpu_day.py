@@ -6,9 +6,9 @@ after each.
     python -m benchmarks gpu_day --out DIR --rehearse    # the same phases on CPU at tiny / ocr-mini shapes
     python -m benchmarks gpu_day --out DIR --phases env,smoke --fail env    # a chosen subset; one made to fail
 
-Phases run in the order of benchmarks/_gpu_day_phases.py's registry (the order of value: env, smoke, rollout,
-train, step, fp16, flux_rollout, launcher; on a GPU flux_rollout runs only when --phases names it: it is the second
-device call's), each in a child process of its own, in a process group of its own, under its own time
+Phases run in the order of benchmarks/_gpu_day_phases.py's registry (the order of value), env first in every call;
+without --phases a GPU run takes the phases of `--call N` (1 by default; docs/offline_install.md has both calls),
+a rehearsal those of every call. Each runs in a child process of its own, in a process group of its own, under its own time
 cap (cut to what is left of --deadline-s) and exception guard: a phase that fails, raises or runs past its cap is
 recorded as such (its process group and every process it started killed, benchmarks/_procgroup.py) and the next
 phase runs. After every phase DIR/gpu_day.json is rewritten:
@@ -59,15 +59,19 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, str | None]:
     ap.add_argument("--out", type=Path, required=True, help="folder for gpu_day.json and gpu_day.log (e.g. \"$OUT\")")
     ap.add_argument("--rehearse", action="store_true", help="every phase on CPU at tiny / ocr-mini shapes")
     ap.add_argument("--phases", default=None, help=f"comma-separated subset of: {','.join(PHASES)} (run in that order; "
-                    f"default on a GPU: all but {','.join(n for n, p in PHASES.items() if not p.first_call)})")
+                    "env is always run first)")
+    ap.add_argument("--call", type=int, choices=sorted({p.call for p in PHASES.values()} - {0}), default=1,
+                    help="without --phases on a GPU: the phases of this prepared device call (docs/offline_install.md)"
+                         + "".join(f"; {k}: " + ",".join(n for n, p in PHASES.items() if p.call == k)
+                                   for k in sorted({p.call for p in PHASES.values()} - {0})))
     ap.add_argument("--fail", default=None, metavar="PHASE", help="make this phase raise at its start (tests the guard)")
     ap.add_argument("--deadline-s", type=float, default=None,
                     help="the whole run's budget in seconds (default 540 on a GPU: the device call's 600 less the "
                          "install; 290 with --rehearse); each phase's cap is cut to what is left")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: run one phase in this process
     args = ap.parse_args(argv)
-    if args.phases is None:  # on a GPU the first device call's phases; the rehearsal runs every phase
-        names = [n for n, p in PHASES.items() if p.first_call or args.rehearse]
+    if args.phases is None:  # on a GPU the phases of --call; the rehearsal runs the phases of every call
+        names = [n for n, p in PHASES.items() if p.call == args.call or (args.rehearse and p.call)]
     else:
         names = [n.strip() for n in args.phases.split(",") if n.strip()]
     unknown = [n for n in names + ([args.fail] if args.fail else []) if n not in PHASES]
@@ -75,7 +79,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, str | None]:
         return args, f"unknown phase {unknown[0]!r}; choose from {', '.join(PHASES)}"
     if not names:
         return args, f"--phases names no phase; choose from {', '.join(PHASES)}"
-    args.names = [n for n in PHASES if n in names]  # the registry's order, whatever order they were given in
+    # the registry's order, whatever order they were given in; env in every call (the machine of each number)
+    args.names = [n for n in PHASES if n in names or n == "env"]
     args.deadline_s = args.deadline_s or (290.0 if args.rehearse else 540.0)
     if args.deadline_s <= 0:
         return args, "--deadline-s must be > 0"

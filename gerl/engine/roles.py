@@ -52,9 +52,21 @@ def build_pipeline(cfg: Config, device: str | None = None, roles: tuple[str, ...
     parts `roles` use: an actor alone loads the transformer and nothing else."""
     parts = tuple(dict.fromkeys(c for r in roles for c in ROLE_COMPONENTS[r]))
     device = device or cfg.model.device
+    set_matmul_precision(cfg, device)  # before loading: TF32 is a process-wide switch
+    pipe = load_pipeline(cfg.model.path, cfg.model.dtype, device, cfg.model.tiny_seed, parts)
+    return prepare_pipeline(pipe, cfg, device)
+
+
+def set_matmul_precision(cfg: Config, device) -> None:
     if resolve_device(device).type == "cuda":  # Flow-GRPO's allow_tf32: fp32 matmuls (the LoRA's) on tensor cores
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.model.tf32
-    pipe = load_pipeline(cfg.model.path, cfg.model.dtype, device, cfg.model.tiny_seed, parts)
+
+
+def prepare_pipeline(pipe, cfg: Config, device=None):
+    """Everything `gerl train` does to a loaded pipeline before the roles use it: the TF32 switch, the adapter
+    (fresh, or cfg.model.init_lora). benchmarks/ call it on their random-weight architectures so that what they
+    time is built exactly as a run is."""
+    set_matmul_precision(cfg, device or cfg.model.device)
     if cfg.model.lora:
         if cfg.model.init_lora:
             load_lora_into_pipeline(pipe, cfg.model.init_lora, adapter_name="default")

@@ -55,8 +55,8 @@ def test_a_failing_phase_is_recorded_and_the_later_phases_still_run(tmp_path, ca
 
 @pytest.mark.parametrize("argv, message", [
     (["--phases", "env,warp"],
-     "unknown phase 'warp'; choose from env, smoke, rollout, train, step, step_merged, fp16, flux_rollout, launcher, "
-     "launchers"),
+     "unknown phase 'warp'; choose from env, smoke, rollout, ratio, train, step8, step, algos, profile, ocr, t5, "
+     "validation, fp16, flux_rollout, launcher, launchers"),
     (["--fail", "nope"], "unknown phase 'nope'"),
     (["--phases", ","], "--phases names no phase"),
     (["--deadline-s", "-1"], "--deadline-s must be > 0"),
@@ -70,15 +70,16 @@ def test_bad_arguments_are_one_line_errors(tmp_path, capsys, argv, message):
         gpu_day.main(["--rehe", "--out", str(tmp_path)])
 
 
-def test_without_phases_a_gpu_run_is_the_first_device_call_and_a_rehearsal_runs_every_phase(tmp_path):
-    """flux_rollout does not fit the first call's 5 minutes: on a GPU it runs only when --phases names it."""
+def test_without_phases_a_gpu_run_is_a_prepared_call_with_env_first_and_a_rehearsal_runs_both_calls(tmp_path):
+    """The third GPU day's two calls (docs/offline_install.md); env heads every call, named or not."""
     first, _ = gpu_day.parse_args(["--out", str(tmp_path)])
+    second, _ = gpu_day.parse_args(["--out", str(tmp_path), "--call", "2"])
     every, _ = gpu_day.parse_args(["--out", str(tmp_path), "--rehearse"])
-    second, _ = gpu_day.parse_args(["--out", str(tmp_path), "--phases", "launcher,flux_rollout"])
-    assert first.names == ["env", "smoke", "rollout", "train", "step", "fp16", "launcher"]
-    assert every.names == ["env", "smoke", "rollout", "train", "step", "step_merged", "fp16", "flux_rollout", "launcher",
-                           "launchers"]
-    assert second.names == ["flux_rollout", "launcher"]
+    named, _ = gpu_day.parse_args(["--out", str(tmp_path), "--phases", "launcher,flux_rollout"])
+    assert first.names == ["env", "rollout", "ratio", "step8"]
+    assert second.names == ["env", "step", "algos", "profile", "ocr", "t5", "validation"]
+    assert every.names == ["env", "rollout", "ratio", "step8", "step", "algos", "profile", "ocr", "t5", "validation"]
+    assert named.names == ["env", "flux_rollout", "launcher"]
 
 
 def test_an_unwritable_out_is_a_one_line_error(tmp_path, capsys):
