@@ -118,6 +118,7 @@ def claims(runs):
     # the last 8 steps 0.492 learning, 0.216 flipped. With issue 34's training noise (per rank, epoch and sample;
     # AWM's strata per micro-batch): 0.332 → 0.426 learning, → 0.121 flipped; 0.462 and 0.219. With the rollout on
     # merged LoRA weights (2026-11-27): 0.332 → 0.434, → 0.121; 0.461 and 0.219 (unmerged, the same day: as above)
+    # Merged, as the test runs, 2026-11-28 (issue 48), twice: 0.332 → 0.426, → 0.121; 0.462 and 0.219.
     out = {
         "rise (learning − base, held-out)": (*paired(learn.val[STEPS], base), 0.03),
         "drop (base − flipped, held-out)": (*paired(base, flip.val[STEPS]), 0.1),
