@@ -124,7 +124,8 @@ def test_fixed_policy_assigns_the_failure_score(tmp_path):
     cfg = small_config(tmp_path, "max_steps=1", "data.prompts_per_step=4", "reward.name=tests.workers.faulty:flaky",
                        "reward.kwargs={hang_s: 10}", "reward.timeout_s=3.0", "reward.retries=0",
                        "reward.workers=4",  # the micro-batches' timeouts run side by side, not one after another
-                       "reward.on_failure=fixed", "reward.failure_score=-100", "train.mini_batch_size=16", "sampling.micro_batch_size=4")
+                       "reward.on_failure=fixed", "reward.failure_score=-100", "train.mini_batch_size=16",
+                       "sampling.micro_batch_size=4")
     faulty._ATTEMPTS.clear()
     train(cfg)
     row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
