@@ -93,10 +93,20 @@ def _pgid(pid: int) -> int | None:
         return None
 
 
-def sweep(token: str, wait_s: float = 5.0, killed_group: int | None = None) -> int:
-    """SIGKILL every live process carrying the marker; wait until they are gone. Returns how many there were, not
-    counting members of `killed_group`: a group just sent SIGKILL may still show a member that is dying (on a busy
-    machine it can take a moment), which is no straggler."""
+def _dead(pid: int) -> bool:
+    """Gone, or a zombie (exited; only its parent's wait is left)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1][0] in "ZX"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return True
+
+
+def sweep(token: str, wait_s: float = 30.0, killed_group: int | None = None) -> int:
+    """SIGKILL every live process carrying the marker; wait until they are dead (at most `wait_s`: only a process
+    stuck in the kernel takes that long). Returns how many there were, not counting members of `killed_group`: a
+    group just sent SIGKILL may still show a member that is dying (on a busy machine it can take a moment), which is
+    no straggler."""
     pids = marked_pids(token)
     # read before the kill; a member that is gone already (None) was dying too
     stragglers = [p for p in pids if killed_group is None or _pgid(p) not in (killed_group, None)]
@@ -105,9 +115,11 @@ def sweep(token: str, wait_s: float = 5.0, killed_group: int | None = None) -> i
             os.kill(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+    # wait for the processes themselves, not for their marker: a dying process's environment reads empty as soon as
+    # its memory is released, a moment before it has exited (its files still open, not yet a zombie)
     deadline = time.monotonic() + wait_s
-    while marked_pids(token) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    while not all(_dead(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
     return len(stragglers)
 
 

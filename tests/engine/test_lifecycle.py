@@ -67,7 +67,7 @@ def test_sigterm_to_the_driver_leaves_no_ray_process_behind(tmp_path):
         _, err = proc.communicate(timeout=300)
         assert proc.returncode == 130, err[-2000:]
         assert "gerl: resume with: gerl train" in err
-        deadline = time.time() + 30
+        deadline = time.time() + 120  # Ray's daemons take seconds to exit; a loaded machine may take many
         while _alive(ray_procs) and time.time() < deadline:
             time.sleep(0.5)
         assert not _alive(ray_procs), sorted(p.name() for p in _alive(ray_procs))

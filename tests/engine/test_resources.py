@@ -58,7 +58,7 @@ def test_setup_deadline_names_the_host_and_the_cause():
     with pytest.raises(UserError) as e:
         resources.wait_for_setup(ray, [slow.setup.remote(), lost.setup.remote()], ["actor0", "rollout0"],
                                  {"CPU": 0.0, "GPU": 1.0}, timeout_s=2)
-    assert time.monotonic() - t0 < 10, "the deadline holds"
+    assert time.monotonic() - t0 < 20, "the deadline holds"  # well short of the 30 s set-up, with slack for a busy Ray
     msg = str(e.value)
     assert "hosts actor0, rollout0 did not start within engine.setup_timeout_s=2 s" in msg
     assert "Ray could not place it: it asks for 1 GPU + 0 CPUs and the cluster has only 0 GPUs" in msg

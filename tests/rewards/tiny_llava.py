@@ -102,7 +102,7 @@ class ServedModel:
     processed and uvicorn's access line when its response is sent, so the log shows how requests overlapped.
     """
 
-    def __init__(self, model_dir: Path, log_path: Path, startup_timeout_s: float = 90.0):
+    def __init__(self, model_dir: Path, log_path: Path, startup_timeout_s: float = 300.0):
         import os
         import socket
         import subprocess

@@ -19,21 +19,25 @@ IMG = Image.new("RGB", (16, 16), "white")
 
 
 def test_results_come_back_in_submission_order_when_completion_is_not():
-    delays = {"a": 0.6, "b": 0.3, "c": 0.0}
+    delays = {"a": 1.2, "b": 0.6, "c": 0.0}
     ex = RewardExecutor(faulty.Sleepy(delays), "thread", workers=3)
-    futs = [ex.submit([IMG, IMG], [p, p], [{}, {}]) for p in "abc"]
     t0 = time.perf_counter()
+    futs = [ex.submit([IMG, IMG], [p, p], [{}, {}]) for p in "abc"]
     results = [ex.result(f) for f in futs]
-    assert time.perf_counter() - t0 < 1.0, "three sleeps of ≤ 0.6 s in three workers must overlap"
-    assert [r.scores for r in results] == [[0.6, 0.6], [0.3, 0.3], [0.0, 0.0]]
+    # one after another they could not finish in less than the sum of the sleeps (1.8 s); overlapped they take the
+    # longest (1.2 s), and the 0.6 s between is slack for a loaded machine (the bar was 1.0 s for sleeps summing to
+    # 0.9: it proved no overlap)
+    assert time.perf_counter() - t0 < sum(delays.values()), "three sleeps in three workers must overlap"
+    assert [r.scores for r in results] == [[1.2, 1.2], [0.6, 0.6], [0.0, 0.0]]
     ex.close()
 
 
 def test_a_call_that_never_returns_times_out_and_is_counted():
-    ex = RewardExecutor(faulty.Sleepy({"x": 30.0}), "thread", workers=1, timeout_s=0.2, retries=1, backoff_s=0.01)
+    # the timeout is what a call that returns at once ("y" below) must beat on a loaded machine too (it was 0.2 s)
+    ex = RewardExecutor(faulty.Sleepy({"x": 30.0}), "thread", workers=1, timeout_s=1.0, retries=1, backoff_s=0.01)
     t0 = time.perf_counter()
     r = ex.result(ex.submit([IMG], ["x"], [{}]))
-    assert time.perf_counter() - t0 < 2.0
+    assert time.perf_counter() - t0 < 10, "two attempts of 1 s, not the 30 s call"
     assert r.failed == [True] and r.scores == [None] and r.timeouts == 2 and r.retries == 1
     # the pool is not blocked by the abandoned call
     ok = ex.result(ex.submit([IMG], ["y"], [{}]))
@@ -79,8 +83,10 @@ def _expected_faults(cfg, steps):
 
 
 def test_training_survives_injected_faults_and_counts_them(tmp_path):
+    # reward.timeout_s: only a 'hang' may overstay it, so it is sized for a loaded machine (a real call takes
+    # milliseconds; it was 1 s, the hang 2.5 s)
     cfg = small_config(tmp_path, "max_steps=4", "data.prompts_per_step=4", "reward.name=tests.workers.faulty:flaky",
-                       "reward.kwargs={hang_s: 2.5}", "reward.timeout_s=1.0", "reward.retries=1",
+                       "reward.kwargs={hang_s: 10}", "reward.timeout_s=3.0", "reward.retries=1",
                        "reward.retry_backoff_s=0.01", "reward.workers=2", "train.mini_batch_size=16",
                        "sampling.micro_batch_size=4")
     faulty._ATTEMPTS.clear()
@@ -116,8 +122,10 @@ def test_abort_policy_stops_with_a_clear_message(tmp_path):
 
 def test_fixed_policy_assigns_the_failure_score(tmp_path):
     cfg = small_config(tmp_path, "max_steps=1", "data.prompts_per_step=4", "reward.name=tests.workers.faulty:flaky",
-                       "reward.timeout_s=1.0", "reward.retries=0", "reward.on_failure=fixed",
-                       "reward.failure_score=-100", "train.mini_batch_size=16", "sampling.micro_batch_size=4")
+                       "reward.kwargs={hang_s: 10}", "reward.timeout_s=3.0", "reward.retries=0",
+                       "reward.workers=4",  # the micro-batches' timeouts run side by side, not one after another
+                       "reward.on_failure=fixed", "reward.failure_score=-100", "train.mini_batch_size=16",
+                       "sampling.micro_batch_size=4")
     faulty._ATTEMPTS.clear()
     train(cfg)
     row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
