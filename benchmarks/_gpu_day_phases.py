@@ -242,19 +242,20 @@ def smoke(ctx: Ctx) -> None:
         raise PhaseFailed(f"max |ratio - 1| before the update {n['ratio_max_dev']:.3g} > {RATIO_BOUND:g}")
     if not (m["optimizer_steps"] == 1 and m["grad_norm"] > 0):
         raise PhaseFailed(f"the update took {m['optimizer_steps']} optimizer step(s), grad_norm {m['grad_norm']}")
-    # sampling.merge_lora's rounding, now that the update moved the adapter's B off zero: the first update's
-    # max |ratio − 1| after a rollout on the unmerged adapter and after one on merged weights (a reading, no bar)
+    # model.merge_lora, now that the update moved the adapter's B off zero: the first update's max |ratio − 1|
+    # on the unmerged adapter and on the merged one (rollout and update both merged; a reading, no bar)
     for merge in (False, True):
         key = "merged" if merge else "unmerged"
         try:
-            c.sampling = dataclasses.replace(c.sampling, merge_lora=merge)
-            trajs, _ = ctx.bench.our_rollout(c, embeds, 0, images_too=False)
-            m = c.actor.update(rollout_batch(c, embeds, trajs, rewards), adv, 1 + merge)
+            c.merge_lora = merge
+            with ctx.bench.merged_lora(c):
+                trajs, _ = ctx.bench.our_rollout(c, embeds, 0, images_too=False)
+                m = c.actor.update(rollout_batch(c, embeds, trajs, rewards), adv, 1 + merge)
             n.setdefault("ratio_max_dev_lora_moved", {})[key] = m["ratio_max_dev_before_update"]
         except Exception as e:  # noqa: BLE001 - a reading beside the phase's checks, which have passed
             n.setdefault("ratio_max_dev_lora_moved", {})[key] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
         ctx.save()
-    c.sampling = dataclasses.replace(c.sampling, merge_lora=False)
+    c.merge_lora = False
 
 
 @phase("rollout", cap_s=210, rehearse_cap_s=120, h100_estimate_s=173,
@@ -271,13 +272,13 @@ def rollout(ctx: Ctx) -> None:
     for lora in (False, True, "merged"):
         if lora is True:  # the unmerged adapter gerl trains (r32/α64 on its default targets), B = 0 as PEFT starts it
             add_lora(c.pipe.transformer, 32, 64.0, ModelConfig().lora_targets)
-        # sampling.merge_lora: the same adapter merged into W0 for the rollout (one size, both guidances; the stock
+        # model.merge_lora: the same adapter merged into W0 for the rollout (one size, both guidances; the stock
         # pipeline beside it runs the unmerged adapter, as a PEFT user's would)
         for mb in (sizes if lora != "merged" else sizes[1:2]):
             for g in (1.0, 4.5):
                 c.images = mb
-                c.sampling = dataclasses.replace(c.sampling, micro_batch_size=mb, guidance_scale=g,
-                                                 merge_lora=lora == "merged")
+                c.sampling = dataclasses.replace(c.sampling, micro_batch_size=mb, guidance_scale=g)
+                c.merge_lora = lora == "merged"
                 embeds = ctx.bench.step_embeds(c, 0)
                 # one warm-up per shape (kernel choice and caches are per shape), then one timed run of each
                 res, _ = ctx.bench.compare_stock(c, embeds, reps=1, warmup=0 if (mb, g) in warm else 1)
@@ -287,7 +288,7 @@ def rollout(ctx: Ctx) -> None:
                 ctx.save()
     n["min_ratio"] = min(r["ratio"] for r in n["rows"] if r["lora"] != "merged")
     n["bar"] = ctx.bench.STOCK_BAR
-    c.sampling = dataclasses.replace(c.sampling, merge_lora=False)
+    c.merge_lora = False
 
 
 @phase("train", cap_s=90, rehearse_cap_s=90, h100_estimate_s=54,
@@ -365,7 +366,7 @@ def step(ctx: Ctx) -> None:
 
 @phase("step_merged", cap_s=270, rehearse_cap_s=150, h100_estimate_s=180, needs=("torch", "diffusers", "rapidocr"),
        first_call=False,
-       what="GeRL's row in one process: the rollout on the merged adapter (sampling.merge_lora), then unmerged, then "
+       what="GeRL's row in one process: the run on the merged adapter (model.merge_lora), then unmerged, then "
             "merged with the OCR in processes")
 def step_merged(ctx: Ctx) -> None:
     from _gpu_day_step import whole_step

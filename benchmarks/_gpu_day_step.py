@@ -17,10 +17,10 @@ REPO = Path(__file__).resolve().parents[1]
 GERL = "recipes/gerl_sd3_fast_ocr.yaml"
 GERL_REHEARSE = ["data.group_size=4", "train.mini_batch_size=4", "train.micro_batch_size=4",
                  "sampling.micro_batch_size=4", "sampling.num_steps=6"]
-# GeRL's row with the rollout on the merged adapter (sampling.merge_lora): the step_merged phase, paired with "gerl";
+# GeRL's row on the merged adapter (model.merge_lora): the step_merged phase, paired with "gerl";
 # and with the OCR in worker processes instead of threads: does the OCR's Python share the GIL with the thread that
 # launches the generation's kernels (the merged step generated at 6.4 images/s, the rollout table reads 8.3)?
-MERGED = ["sampling.merge_lora=true"]
+MERGED = ["model.merge_lora=true"]
 MERGED_PROCS = MERGED + ["reward.pool=process"]
 # (recipe, overrides always applied, overrides added under --rehearse)
 REPO_RECIPES = {
@@ -116,7 +116,7 @@ def whole_step(ctx, name: str) -> dict:
     else:
         per = transformer_forward_flops(config, m.resolution, text_len)
         flops = per * images * sum(forwards_per_image(cfg))
-    out = {"recipe": REPO_RECIPES[name][0], "merge_lora": cfg.sampling.merge_lora, "reward_pool": cfg.reward.pool,
+    out = {"recipe": REPO_RECIPES[name][0], "merge_lora": cfg.model.merge_lora, "reward_pool": cfg.reward.pool,
            "algo": cfg.algo.name,
            "dtype": m.dtype, "images": images, "resolution": m.resolution, "text_len": text_len, "build_s": build_s,
            "step_s": t2 - t0,
