@@ -245,3 +245,41 @@ def test_what_cannot_be_merged_exactly_is_refused():
         use_merged_lora(model)
     with pytest.raises(ValueError, match="no LoRA adapter"):
         use_merged_lora(One(4, 4))
+
+
+def test_a_compiled_block_runs_the_merged_layers_in_one_graph_and_follows_a_re_merge(lora_transformer):
+    """Regional compile (each transformer block) with the merged layers inside: no graph break (fullgraph), the
+    eager values and gradients, and after an update of the adapter the re-merged weights are read without a
+    recompile (the re-merge writes W_m in place, outside the compiled blocks)."""
+    import torch._dynamo
+
+    tr = lora_transformer(randomize=True, dtype=torch.bfloat16)
+    use_merged_lora(tr)
+    eager_twin = copy.deepcopy(tr)
+
+    def value_and_grads(model):
+        with torch.no_grad():
+            rollout = _forward(model)
+        _forward(model).float().square().mean().backward()
+        grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]
+        model.zero_grad()
+        return rollout, grads
+
+    def update(model):
+        g = torch.Generator().manual_seed(4)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.add_(torch.randn(p.shape, generator=g) * 0.01)
+
+    torch._dynamo.reset()
+    for block in tr.transformer_blocks:
+        block.compile(fullgraph=True, backend="aot_eager")
+    compiled, compiled_grads = value_and_grads(tr)
+    eager, eager_grads = value_and_grads(eager_twin)
+    assert torch.equal(compiled, eager) and all(torch.equal(a, b) for a, b in zip(compiled_grads, eager_grads))
+    update(tr)
+    update(eager_twin)
+    with torch._dynamo.config.patch(error_on_recompile=True), torch.no_grad():
+        moved = _forward(tr)
+        assert torch.equal(moved, _forward(eager_twin)) and not torch.equal(moved, compiled)

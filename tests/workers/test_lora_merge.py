@@ -117,22 +117,34 @@ def test_the_old_key_names_the_new_one_and_full_fine_tuning_is_refused():
 
 def test_a_local_bf16_run_is_exact_at_every_step_and_resumes_bit_exactly(tmp_path):
     """Three steps of the local engine in bf16 (rollout and actor share the merged transformer): the ratio before
-    every update is at the step's floor after the adapter has moved; a run resumed from its step-2 checkpoint
-    (a fresh transformer, merged at B = 0, then the checkpoint copied in) ends with the uninterrupted run's adapter."""
+    every update is at the step's floor after the adapter has moved, and the transformer's next forward is a merge
+    of the adapter the run ended with; a run resumed from its step-2 checkpoint (a fresh transformer, merged at
+    B = 0, then the checkpoint copied in) ends with the uninterrupted run's adapter."""
+    import copy
+
     from safetensors.torch import load_file
 
-    from gerl.trainer import train
+    from gerl.models.lora_merge import drop_merged_lora
+    from gerl.trainer import Trainer, prepare
     from tests.train.helpers import small_config
 
     def run(out, *extra):
-        train(small_config(out, "model.dtype=bf16", "model.merge_lora=true", "checkpoint.every=2",
-                           "checkpoint.keep_last=0", *extra))
-        return [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+        cfg = small_config(out, "model.dtype=bf16", "model.merge_lora=true", "checkpoint.every=2",
+                           "checkpoint.keep_last=0", *extra)
+        trainer = Trainer(cfg, prepare(cfg))
+        trainer.fit()
+        rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+        return rows, trainer.engine.actor.pipe.transformer
 
-    full = run(tmp_path / "full", "max_steps=3")
+    full, tr = run(tmp_path / "full", "max_steps=3")
     run(tmp_path / "split", "max_steps=2")
-    resumed = run(tmp_path / "split", "max_steps=3", "resume=true")
+    resumed, _ = run(tmp_path / "split", "max_steps=3", "resume=true")
     assert all(r["ratio_max_dev_before_update"] <= STEP_FLOOR for r in full), full
+    fresh = copy.deepcopy(tr)
+    drop_merged_lora(fresh)
+    use_merged_lora(fresh)
+    with torch.no_grad():
+        assert torch.equal(_forward(tr), _forward(fresh))
     assert [r["reward_mean"] for r in resumed] == [r["reward_mean"] for r in full]
     a = load_file(str(tmp_path / "full/checkpoints/step_000003/trainable.safetensors"))
     b = load_file(str(tmp_path / "split/checkpoints/step_000003/trainable.safetensors"))
