@@ -92,20 +92,25 @@ def _key(t: torch.Tensor) -> tuple:
 
 
 def _stamp(m) -> tuple:
-    names = _active(m)
-    return (tuple(names), _key(m.base_layer.weight),
-            *((_key(m.lora_A[a].weight), _key(m.lora_B[a].weight), m.scaling[a]) for a in names))
+    """What W_m was built from. The modules holding W0, A and B are looked up once per merge (m._gerl_parts): an
+    nn.Module attribute costs microseconds, and this runs for every adapted linear before every forward."""
+    names, base, ab = m._gerl_parts
+    return (tuple(m.active_adapters), _key(base._parameters["weight"]),
+            *(k for a, b in ab for k in (_key(a._parameters["weight"]), _key(b._parameters["weight"]))),
+            *(m.scaling[n] for n in names))
 
 
 @torch.no_grad()
 def _merge(m) -> None:
     """W_m = W0 + Σ s·B·A summed in fp32 (the adapter's dtype when wider), rounded once, written in place when the
     buffer fits (a compiled graph keeps reading the same tensor)."""
+    names = _active(m)
+    m._gerl_parts = (names, m.base_layer, [(m.lora_A[a], m.lora_B[a]) for a in names])
     w0 = m.base_layer.weight
     w = w0.T if m.fan_in_fan_out else w0
     acc = torch.float64 if torch.float64 in (w.dtype, *(t.dtype for t in m.parameters())) else torch.float32
     total = w.to(acc, copy=True)
-    for a in _active(m):
+    for a in names:
         total.addmm_(m.lora_B[a].weight.to(acc), m.lora_A[a].weight.to(acc), alpha=m.scaling[a])
     buf = m._buffers.get("merged_weight")
     if buf is not None and buf.shape == total.shape and buf.dtype == w0.dtype and buf.device == w0.device:
@@ -173,7 +178,7 @@ def drop_merged_lora(transformer) -> None:
             del transformer._forward_pre_hooks[k]
     for m in transformer.__dict__.pop("_gerl_merged_layers"):
         m.__class__ = LoraLinear
-        del m._buffers["merged_weight"], m._gerl_stamp
+        del m._buffers["merged_weight"], m._gerl_stamp, m._gerl_parts
 
 
 @contextmanager
