@@ -5,9 +5,9 @@ images/s on an H100 (docs/benchmarks.md, gpu_day, rollout). Here each adapted li
 
     y = W_m·x + bias,   W_m = round(W0 + Σ s·B·A)   (the sum in fp32, rounded once to the model dtype)
 
-in the rollout (no grad) and in the training replay alike, so both compute the same value by construction and the
-ratio is 1 before the update, bit for bit for the same batch shape, in bf16 too — where PEFT's unmerged training
-forward beside a merged rollout gave |ratio − 1| up to 3.6e-5. The backward (`_MergedLinear`) differentiates
+in the rollout (no grad) and in the training replay alike, so both compute the same velocity by construction, bit for
+bit for the same batch shape, in bf16 too: the ratio before an update is the unmerged run's (1 to the SDE step's own
+fp32 rounding), where PEFT's unmerged training forward beside a merged rollout gave |ratio − 1| up to 3.6e-5. The backward (`_MergedLinear`) differentiates
 W_m = W0 + s·B·A: dx = dy·W_m, and dA, dB in the adapter's own dtype (fp32), as PEFT's own path computes them:
 dB = s·dyᵀ(x·Aᵀ), dA = s·(dy·B)ᵀx.
 
@@ -79,8 +79,8 @@ class MergedLoraLinear(LoraLinear):
         names = _active(self)
         if self.disable_adapters or not names:
             return self.base_layer(x)  # the adapters off: exactly W0·x + bias
-        if not torch.is_grad_enabled():  # the rollout: the same F.linear as _MergedLinear.forward, bit for bit
-            return F.linear(x, self.merged_weight, self.base_layer.bias)  # (dynamo cannot trace a Function here)
+        if not torch.is_grad_enabled():  # the rollout: _MergedLinear.forward's own F.linear, bit for bit (and
+            return F.linear(x, self.merged_weight, self.base_layer.bias)  # dynamo cannot trace the Function here)
         ab = [t for a in names for t in (self.lora_A[a].weight, self.lora_B[a].weight)]
         scalings = tuple(self.scaling[a] for a in names)
         return _MergedLinear.apply(x, self.merged_weight, self.base_layer.bias, scalings, *ab)
@@ -104,6 +104,8 @@ def _stamp(m) -> tuple:
 def _merge(m) -> None:
     """W_m = W0 + Σ s·B·A summed in fp32 (the adapter's dtype when wider), rounded once, written in place when the
     buffer fits (a compiled graph keeps reading the same tensor)."""
+    if m.merged:
+        raise RuntimeError("model.merge_lora: PEFT's merge_adapter wrote the adapter into W0; unmerge it first")
     names = _active(m)
     m._gerl_parts = (names, m.base_layer, [(m.lora_A[a], m.lora_B[a]) for a in names])
     w0 = m.base_layer.weight
