@@ -69,6 +69,7 @@ def test_held_out_ocr_reward_rises_and_flipped_advantage_lowers_it(tmp_path):
     # the last 8 steps 0.492 learning, 0.216 flipped. With issue 34's training noise (per rank, epoch and sample;
     # AWM's strata per micro-batch): 0.332 → 0.426 learning, → 0.121 flipped; 0.462 and 0.219. With the rollout on
     # merged LoRA weights (2026-11-27): 0.332 → 0.434, → 0.121; 0.461 and 0.219 (unmerged, the same day: as above)
+    # With model.merge_lora (rollout and training merged, 2026-11-28): 0.332 → 0.426, → 0.121; 0.462 and 0.219
     assert learn[STEPS] - base > 0.03, f"the dev OCR reward did not rise: {summary}"
     assert flip[STEPS] < base - 0.1, f"flipped advantages did not lower the dev OCR reward: {summary}"
     assert learn[STEPS] - flip[STEPS] > 0.2, f"the advantage's sign barely matters: {summary}"
