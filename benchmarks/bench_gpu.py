@@ -309,15 +309,14 @@ def our_rollout(ctx, embeds: list[Embeds], step: int, images_too: bool = True, p
 
 
 def merged_lora(ctx):
-    """With ctx.sampling.merge_lora: the rollout on merged LoRA weights (gerl/models/lora_merge.py), its W0 copy
-    kept on ctx between rollouts as RolloutWorker keeps it; otherwise a block that does nothing."""
-    if not ctx.sampling.merge_lora:
+    """With ctx.merge_lora (model.merge_lora): the block runs on the exact merged LoRA (gerl/models/lora_merge.py),
+    rollout and training alike, and PEFT's unmerged forward is back after it (the stock pipeline shares the
+    transformer); otherwise a block that does nothing."""
+    if not getattr(ctx, "merge_lora", False):
         return contextlib.nullcontext()
-    from gerl.models.lora_merge import MergedLora
+    from gerl.models.lora_merge import merged_lora as merged
 
-    if getattr(ctx, "merger", None) is None:  # made once the adapter is on (each gpu_day phase builds its own ctx)
-        ctx.merger = MergedLora(ctx.pipe.transformer)
-    return ctx.merger.merged()
+    return merged(ctx.pipe.transformer)
 
 
 def stock_pipeline(pipe):

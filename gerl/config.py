@@ -41,6 +41,7 @@ class ModelConfig:
     tiny_seed: int = 0  # seed of the randomly initialised tiny model (model.path = tiny)
     gradient_checkpointing: bool = False  # recompute each transformer block's activations in the backward pass: SD3.5-M's training activations at 512² micro-batch 8 drop from 23.8 to 1.8 GiB (28.5 → 6.5 GiB with the fp16 weights) for ~1/3 more training compute (`gerl plan` shows both)
     tf32: bool = True  # TF32 tensor cores for fp32 matmuls on Ampere+ GPUs (Flow-GRPO's allow_tf32); no effect on CPU
+    merge_lora: bool = False  # rollout and training both compute each adapted linear as one matmul with W0 + s·B·A merged in the model dtype, re-merged whenever the adapter changes (gerl/models/lora_merge.py): faster than PEFT's three matmuls on a GPU, and the ratio stays exactly 1 before an update; costs one more copy of the adapted linears' weights in the model dtype on every host holding the transformer; needs model.lora
 
 
 @dataclass
@@ -64,7 +65,6 @@ class SamplingConfig:
     timestep_fraction: float = 1.0  # fraction of the recorded steps trained per sample (random subset; Flow-GRPO uses 0.99)
     micro_batch_size: int = 8  # images denoised together; each decoded micro-batch's reward is submitted at once
     init_same_noise: bool = False  # a group's images start from one initial noise (DanceGRPO's init_same_noise): only the SDE window's noise differs
-    merge_lora: bool = False  # generate on W0 + s·B·A merged into each adapted linear (one matmul instead of PEFT's three; gerl/models/lora_merge.py): faster on a GPU, rounded once to the model dtype, so in bf16 the rollout is not bit-for-bit the trained policy (ratio ≠ 1 by rounding); needs model.lora
 
 
 @dataclass
@@ -370,11 +370,18 @@ def _coerce(value: Any, tp: Any, key: str, errors: list[str]) -> Any:
     return value
 
 
+# Keys that moved: an old key is an error naming its new place (never silently read).
+MOVED = {"sampling.merge_lora": "model.merge_lora (the merged LoRA now serves the rollout and the training alike)"}
+
+
 def _build(cls, data: dict, prefix: str, errors: list[str]):
     types = _field_types(cls)
     kwargs = {}
     for key, value in data.items():
         full = f"{prefix}{key}"
+        if full in MOVED:
+            errors.append(f"{full} has moved to {MOVED[full]}: rename the key")
+            continue
         if key not in types:
             valid = [f"{prefix}{k}" for k in types]
             hint = _suggest(full, valid)
@@ -745,9 +752,9 @@ def _relations(cfg: Config) -> list[str]:
     elif g.hybrid and g.actor_workers != g.rollout_workers:
         e.append(f"engine.hybrid=true colocates one actor and one rollout per device: actor_workers "
                  f"({g.actor_workers}) must equal rollout_workers ({g.rollout_workers})")
-    if cfg.sampling.merge_lora and not cfg.model.lora:
-        e.append("sampling.merge_lora=true merges a LoRA adapter, but model.lora=false trains every weight; drop "
-                 "sampling.merge_lora or set model.lora=true")
+    if cfg.model.merge_lora and not cfg.model.lora:
+        e.append("model.merge_lora=true merges a LoRA adapter, but model.lora=false trains every weight; drop "
+                 "model.merge_lora or set model.lora=true")
     if cfg.model.dtype == "fp16" and not cfg.model.lora:
         e.append("model.dtype=fp16 with model.lora=false would train fp16 weights with no fp32 master copy (AdamW's "
                  "small updates round away, and loss-scaled gradients cannot be unscaled in fp16); use bf16 or fp32 "

@@ -75,13 +75,15 @@ def lora_transformer(tiny_pipe):
     """Factory: a deep copy of the tiny transformer with a LoRA adapter attached.
 
     With `randomize=True` the (zero-initialised) lora_B weights are filled with seeded noise so that the adapter
-    changes the model's output: a test of adapter-aware code passes trivially on an identity adapter.
+    changes the model's output: a test of adapter-aware code passes trivially on an identity adapter. `dtype`: the
+    base weights' (the adapter stays fp32, as add_lora keeps it).
     """
 
-    def make(rank: int = 4, alpha: float = 8.0, randomize: bool = False, seed: int = 0, scale: float = 0.05):
+    def make(rank: int = 4, alpha: float = 8.0, randomize: bool = False, seed: int = 0, scale: float = 0.05,
+             dtype: torch.dtype = torch.float32):
         from gerl.models.loader import add_lora
 
-        tr = copy.deepcopy(tiny_pipe.transformer)
+        tr = copy.deepcopy(tiny_pipe.transformer).to(dtype)
         add_lora(tr, rank, alpha, ["to_q", "to_k", "to_v", "to_out.0"])
         if randomize:
             g = torch.Generator().manual_seed(seed)

@@ -221,26 +221,29 @@ def test_full_fine_tuning_trains_every_weight_in_its_dtype():
     assert not any("gradients" in i.name for i in rollout.resident)
 
 
-def test_a_merged_lora_rollout_holds_a_copy_of_the_adapted_weights():
-    """sampling.merge_lora keeps W0 of every adapted linear on the rollout host: the plan's line equals those
-    weights' bytes, counted here from the plain model and the targets' names (PEFT's rule: the module's name is
-    the target or ends with "." + it)."""
-    cfg = load_config(TINY, ["engine.kind=ray", "engine.hybrid=false", "sampling.merge_lora=true"])
+def test_the_merged_lora_holds_a_copy_of_the_adapted_weights_on_every_host():
+    """model.merge_lora keeps W0 + s·B·A of every adapted linear beside W0 wherever the transformer lives (rollout
+    and actor hosts alike): the plan's line equals those weights' bytes, counted here from the plain model and the
+    targets' names (PEFT's rule: the module's name is the target or ends with "." + it). The training phase is
+    measured on the merged forward, which keeps each adapted linear's input in the model dtype instead of PEFT's
+    fp32 copy of it: less than the unmerged one."""
+    cfg = load_config(TINY, ["engine.kind=ray", "engine.hybrid=false", "model.merge_lora=true"])
     plan = plan_for_config(cfg)
-    lines = {i.name: i.gib for i in plan.role("rollout").resident}
     targets = cfg.model.lora_targets
     from gerl.models.tiny import build_tiny_sd3
 
     adapted = [m.weight for n, m in build_tiny_sd3(0).transformer.named_modules() if isinstance(m, torch.nn.Linear)
                and any(n == t or n.endswith("." + t) for t in targets)]
     assert len(adapted) > 10
-    assert lines["W0 copy of the LoRA-adapted linears (sampling.merge_lora)"] == pytest.approx(
-        sum(w.numel() * 4 for w in adapted) / 2**30)
-    assert not any("merge_lora" in i.name for i in plan.role("actor").resident)
+    merged = sum(w.numel() * 4 for w in adapted) / 2**30
     plain = plan_for_config(load_config(TINY, ["engine.kind=ray", "engine.hybrid=false"]))
-    assert not any("merge_lora" in i.name for i in plain.role("rollout").resident)
-    assert plan.role("rollout").resident_gib == pytest.approx(
-        plain.role("rollout").resident_gib + sum(w.numel() * 4 for w in adapted) / 2**30)
+    for role in ("rollout", "actor"):
+        lines = {i.name: i.gib for i in plan.role(role).resident}
+        assert lines["merged LoRA weights (model.merge_lora, fp32)"] == pytest.approx(merged)
+        assert not any("merge_lora" in i.name for i in plain.role(role).resident)
+        assert plan.role(role).resident_gib == pytest.approx(plain.role(role).resident_gib + merged)
+    train = lambda p: next(ph for ph in p.role("actor").phases if ph.name.startswith("training"))  # noqa: E731
+    assert 0 < train(plan).gib < train(plain).gib
 
 
 def _tiny_transformer_params():

@@ -80,6 +80,16 @@ def prepare_pipeline(pipe, cfg: Config, device=None):
     return pipe
 
 
+def merge_lora(cfg: Config, pipe) -> None:
+    """model.merge_lora: the adapted linears of the transformer both roles share (or each host's own) compute on
+    W0 + s·B·A merged, in generation and training alike (gerl/models/lora_merge.py). Idempotent: each role calls
+    it, whether it built the pipeline or was handed one."""
+    if cfg.model.merge_lora:
+        from gerl.models.lora_merge import use_merged_lora
+
+        use_merged_lora(pipe.transformer)
+
+
 def trainable_names(transformer, lora: bool) -> list[str]:
     return [n for n, p in transformer.named_parameters() if (("lora_" in n) if lora else True)]
 
@@ -92,6 +102,7 @@ class RolloutRole:
         pin_cpus(cores)
         self.cfg, self.rank = cfg, rank
         self.pipe = pipe if pipe is not None else build_pipeline(cfg, device, roles=("rollout",))
+        merge_lora(cfg, self.pipe)
         self.embedder = TextEmbedder(self.pipe, cfg.model.max_sequence_length, cfg.model.text_cache_size)
         # nft/awm/dgpo learn from clean samples alone: the rollout samples a plain ODE and records no SDE step
         self.worker = RolloutWorker(self.pipe, self.embedder, cfg.sampling, cfg.model.resolution, cfg.seed,
@@ -221,6 +232,7 @@ class ActorRole:
         pin_cpus(cores)
         self.cfg, self.rank, self.world = cfg, rank, world
         self.pipe = pipe if pipe is not None else build_pipeline(cfg, device, roles=("actor",))
+        merge_lora(cfg, self.pipe)
         sizes = derived_sizes(cfg, trained_steps_per_sample(cfg))
         self.worker = ActorWorker(self.pipe.transformer, cfg.train, cfg.model, cfg.sampling, cfg.max_steps,
                                   sizes["images_per_step"], cfg.seed, world=world, grad_sync=grad_sync,

@@ -195,6 +195,10 @@ def plan_for_config(cfg: Config, awm_old_forward: bool | None = None, card: str 
     tr = modules["transformer"]
     if m.lora:
         add_lora(tr, m.lora_rank, m.lora_alpha, m.lora_targets)  # the real adapter: fp32, on the meta device
+        if m.merge_lora:  # the merged forward and backward are what the phases below measure
+            from gerl.models.lora_merge import use_merged_lora
+
+            use_merged_lora(tr)
     else:
         tr.requires_grad_(True)
     latent = fam.latent(m.resolution, tr)

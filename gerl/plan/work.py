@@ -113,7 +113,9 @@ def resident_items(cfg: Config, fam, modules: dict, trained: list, graded: list)
     m, t, a = cfg.model, cfg.train, cfg.algo
     out = {}
     for c, mod in modules.items():
-        frozen = [x for x in mod.parameters() if not (m.lora and x.requires_grad)] + list(mod.buffers())
+        # the merged LoRA weights (model.merge_lora) are buffers with a line of their own below
+        frozen = [x for x in mod.parameters() if not (m.lora and x.requires_grad)] + [
+            b for n, b in mod.named_buffers() if not n.endswith("merged_weight")]
         dt = DTYPE_NAMES.get(next(mod.parameters()).dtype, "?")
         vals = sum(x.numel() for x in {id(x): x for x in frozen}.values())
         out[c] = [Item(f"{fam.label(c)} weights ({dt})", _gib(tensor_bytes(frozen)), f"{_count(vals)} values")]
@@ -121,6 +123,13 @@ def resident_items(cfg: Config, fam, modules: dict, trained: list, graded: list)
     if m.lora:
         n = sum(p.numel() for p in trained)
         out["transformer"].append(Item(f"LoRA adapter r{m.lora_rank} (fp32)", _gib(adapter), f"{_count(n)} params"))
+    if m.merge_lora and m.lora:  # gerl/models/lora_merge.py: W0 + s·B·A beside W0, wherever the transformer is
+        from gerl.models.lora_merge import lora_layers
+
+        w0 = [x.get_base_layer().weight for x in lora_layers(modules["transformer"])]
+        wdt = DTYPE_NAMES.get(w0[0].dtype, "?")
+        out["transformer"].append(Item(f"merged LoRA weights (model.merge_lora, {wdt})", _gib(tensor_bytes(w0)),
+                                       f"{len(w0)} adapted linears"))
     what = "fp32 LoRA" if m.lora else DTYPE_NAMES[trained[0].dtype] + ", full fine-tuning"
     grads = tensor_bytes(graded)
     unused = "" if len(graded) == len(trained) else f"{len(trained) - len(graded)} tensors get none"
@@ -135,12 +144,6 @@ def resident_items(cfg: Config, fam, modules: dict, trained: list, graded: list)
     rollout = []
     if cfg.engine.schedule == "stream" and not (cfg.engine.hybrid or cfg.engine.kind == "local"):
         rollout.append(Item("staged weights (engine.schedule=stream)", _gib(adapter)))
-    if cfg.sampling.merge_lora and m.lora:  # gerl/models/lora_merge.py keeps W0 of every adapted linear
-        from gerl.models.lora_merge import lora_layers
-
-        w0 = [x.get_base_layer().weight for x in lora_layers(modules["transformer"])]
-        rollout.append(Item("W0 copy of the LoRA-adapted linears (sampling.merge_lora)", _gib(tensor_bytes(w0)),
-                            f"{len(w0)} weights"))
     return {**out, "actor": actor, "rollout": rollout}
 
 

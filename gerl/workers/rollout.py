@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sys
 import time
-from contextlib import nullcontext
 
 import numpy as np
 import torch
@@ -72,17 +71,6 @@ class RolloutWorker:
         self.latent_shape = self.family.latent_shape(pipe, resolution)
         self.train_schedule = self.family.schedule(pipe.scheduler.config, sampling.num_steps, self.latent_shape)
         self.policy_version = 0
-        self._merger = None  # sampling.merge_lora: a MergedLora, made at the first generation (adapter in place)
-
-    def _merged(self):
-        """A `with` block generating on merged LoRA weights (sampling.merge_lora), else one that does nothing."""
-        if not self.cfg.merge_lora:
-            return nullcontext(None)
-        if self._merger is None:
-            from gerl.models.lora_merge import MergedLora
-
-            self._merger = MergedLora(self.pipe.transformer)
-        return self._merger.merged()
 
     @property
     def device(self) -> torch.device:
@@ -104,44 +92,40 @@ class RolloutWorker:
         trajs, images, futures, embeds_all, spans, versions = [], [], [], [], [], []
         t_gen = t_dec = 0.0
         self.pipe.transformer.eval()
-        with self._merged() as merged:
-            for start in range(0, len(prompts), cfg.micro_batch_size):
-                sl = slice(start, start + cfg.micro_batch_size)
-                if between is not None:
-                    before = self.policy_version
-                    between()
-                    if merged is not None and self.policy_version != before:
-                        merged.refresh()  # new adapter tensors: merge them before this micro-batch
-                versions.append(self.policy_version)
-                t0 = time.perf_counter()
-                embeds = self.embedder(prompts[sl], with_negative=guided)
-                seeds = [sample_seed(self.seed, step, index_offset + i)
-                         for i in range(sl.start, min(sl.stop, len(prompts)))]
-                if cfg.init_same_noise:
-                    gids = group_ids[sl].tolist()
-                    noise, gens = group_latent_noise(seeds, [group_seed(self.seed, step, g) for g in gids],
-                                                     self.latent_shape)
-                else:
-                    noise, gens = latent_noise(seeds, self.latent_shape)
-                traj = denoise(self.pipe.transformer, embeds, noise.to(self.device), sched, sde_steps, cfg.sampler,
-                               cfg.noise_level, cfg.guidance_scale, gens)
-                if traj.final_latents.is_cuda:
-                    torch.cuda.synchronize()  # CUDA is asynchronous: without this, denoising time lands in decode_s
-                t1 = time.perf_counter()
-                mb_images = decode(self.pipe.vae, traj.final_latents, self.family)
-                t2 = time.perf_counter()
-                t_dec += t2 - t1
-                t_gen += t1 - t0
-                wall = time.time() - t2  # perf_counter → epoch offset, for the timeline
-                spans += [{"name": f"generate mb{len(trajs)}", "start": t0 + wall, "end": t1 + wall},
-                          {"name": f"decode mb{len(trajs)}", "start": t1 + wall, "end": t2 + wall}]
-                if submit is not None:
-                    futures.append((sl, submit(mb_images, prompts[sl], metadata[sl])))
-                # The batch is kept on the CPU: it crosses Ray to the actor (a pickled CUDA tensor would be restored
-                # on the receiver's cuda:0), and the actor moves each training micro-batch to its own device.
-                trajs.append(traj.cpu())
-                images.extend(mb_images)
-                embeds_all.append(embeds.to("cpu"))
+        for start in range(0, len(prompts), cfg.micro_batch_size):
+            sl = slice(start, start + cfg.micro_batch_size)
+            if between is not None:
+                between()
+            versions.append(self.policy_version)
+            t0 = time.perf_counter()
+            embeds = self.embedder(prompts[sl], with_negative=guided)
+            seeds = [sample_seed(self.seed, step, index_offset + i)
+                     for i in range(sl.start, min(sl.stop, len(prompts)))]
+            if cfg.init_same_noise:
+                gids = group_ids[sl].tolist()
+                noise, gens = group_latent_noise(seeds, [group_seed(self.seed, step, g) for g in gids],
+                                                 self.latent_shape)
+            else:
+                noise, gens = latent_noise(seeds, self.latent_shape)
+            traj = denoise(self.pipe.transformer, embeds, noise.to(self.device), sched, sde_steps, cfg.sampler,
+                           cfg.noise_level, cfg.guidance_scale, gens)
+            if traj.final_latents.is_cuda:
+                torch.cuda.synchronize()  # CUDA is asynchronous: without this, denoising time lands in decode_s
+            t1 = time.perf_counter()
+            mb_images = decode(self.pipe.vae, traj.final_latents, self.family)
+            t2 = time.perf_counter()
+            t_dec += t2 - t1
+            t_gen += t1 - t0
+            wall = time.time() - t2  # perf_counter → epoch offset, for the timeline
+            spans += [{"name": f"generate mb{len(trajs)}", "start": t0 + wall, "end": t1 + wall},
+                      {"name": f"decode mb{len(trajs)}", "start": t1 + wall, "end": t2 + wall}]
+            if submit is not None:
+                futures.append((sl, submit(mb_images, prompts[sl], metadata[sl])))
+            # The batch is kept on the CPU: it crosses Ray to the actor (a pickled CUDA tensor would be restored
+            # on the receiver's cuda:0), and the actor moves each training micro-batch to its own device.
+            trajs.append(traj.cpu())
+            images.extend(mb_images)
+            embeds_all.append(embeds.to("cpu"))
         return RolloutBatch(
             prompts=list(prompts), metadata=list(metadata), group_ids=group_ids, embeds=Embeds.cat(embeds_all),
             schedule=sched, traj=Trajectory.cat(trajs), images=images,
@@ -157,12 +141,11 @@ class RolloutWorker:
         mb = micro_batch_size or self.cfg.micro_batch_size
         out = []
         self.pipe.transformer.eval()
-        with self._merged():
-            for start in range(0, len(prompts), mb):
-                chunk = prompts[start:start + mb]
-                noise, _ = latent_noise([sample_seed(seed, 0, start + i) for i in range(len(chunk))], self.latent_shape)
-                embeds = self.embedder(chunk, with_negative=self.family.uses_negative(guidance))
-                traj = denoise(self.pipe.transformer, embeds, noise.to(self.device), sched, [], self.cfg.sampler,
-                               self.cfg.noise_level, guidance, None)
-                out.extend(decode(self.pipe.vae, traj.final_latents, self.family))
+        for start in range(0, len(prompts), mb):
+            chunk = prompts[start:start + mb]
+            noise, _ = latent_noise([sample_seed(seed, 0, start + i) for i in range(len(chunk))], self.latent_shape)
+            embeds = self.embedder(chunk, with_negative=self.family.uses_negative(guidance))
+            traj = denoise(self.pipe.transformer, embeds, noise.to(self.device), sched, [], self.cfg.sampler,
+                           self.cfg.noise_level, guidance, None)
+            out.extend(decode(self.pipe.vae, traj.final_latents, self.family))
         return out

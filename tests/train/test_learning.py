@@ -2,9 +2,9 @@
 dev numbers rises; with the advantage sign flipped it falls.
 
 It runs recipes/ocr_mini_awm.yaml (AWM, sync): of the three algorithms' recipes it gained most on the dev numbers
-in 20 steps (docs/lab_notebook.md, "Algorithms on ocr-mini"), with its rollout and validations on merged LoRA weights
-(sampling.merge_lora): the test takes 7 % less (145 s instead of 157 s alone on 2 cores), and the merged rollout
-is proven in a learning run end to end. Both runs share every seed, so the only difference is
+in 20 steps (docs/lab_notebook.md, "Algorithms on ocr-mini"), with its rollout, training and validations on merged
+LoRA weights (model.merge_lora; the rollout alone, as sampling.merge_lora, took 7 % less: 145 s instead of 157 s
+alone on 2 cores), and the merged LoRA is proven in a learning run end to end. Both runs share every seed, so the only difference is
 the sign of the advantages, and a run is its seed's (one torch thread; the fresh LoRA's A comes from the run's seed
 since issue 25: before, each run drew another A, so the margins below were single draws). 16 steps: the dev numbers
 (16 × 8 images, seed 1234, one thread each) every 2 steps of both runs, docs/lab_notebook.md, "The learning test's
@@ -43,7 +43,7 @@ SE_BAR = 3.0  # each claim's difference, in standard errors of its own noise
 def _overrides(run_dir, *extra) -> list[str]:
     return [f"output_dir={run_dir}", f"max_steps={STEPS}", f"data.train_prompts={REPO / 'assets/ocr_mini/train.txt'}",
             f"data.test_prompts={REPO / 'assets/ocr_mini/dev.txt'}", "log.tensorboard=false",
-            "log.progress_bar=false", "log.images_every=0", "checkpoint.every=0", "sampling.merge_lora=true", *extra]
+            "log.progress_bar=false", "log.images_every=0", "checkpoint.every=0", "model.merge_lora=true", *extra]
 
 
 class Run:

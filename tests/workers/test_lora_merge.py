@@ -1,160 +1,153 @@
-"""sampling.merge_lora (gerl/models/lora_merge.py): the rollout generates on W0 + s·B·A merged into each adapted
-linear — the adapter's own matmuls never run — with the same samples as PEFT's unmerged forward (fp32: to
-rounding), and every base weight is put back bit for bit afterwards, so a trainer sharing the transformer never
-sees a merged weight. In bf16 the merged weight is the exact sum rounded once."""
+"""model.merge_lora through the workers: the rollout and the training replay both run the merged forward, so in
+bf16 the first update's ratio is 1 up to the SDE step's own fp32 rounding — where a merge for the rollout alone
+(the former sampling.merge_lora) departs by ~1e-5; the merged weights follow an EMA swap, staged weights loaded
+between micro-batches and a resume."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+
+import pytest
 import torch
 
-from gerl.config import SamplingConfig
+from gerl.config import ModelConfig, SamplingConfig, TrainConfig
+from gerl.models.lora_merge import lora_layers, merged_lora, use_merged_lora
+from gerl.workers.actor import ActorWorker
+from tests.models.test_lora_merge import _expected_merged, _forward
 
 PROMPTS = ["a 12", "a 34", "a 56", "a 78"]
-SAMPLING = dict(num_steps=4, sde_window_size=2, sde_window_range=[0, 3], micro_batch_size=2)
+SAMPLING = SamplingConfig(sampler="sde", num_steps=4, sde_window_size=2, sde_window_range=[0, 3], micro_batch_size=2)
+# One fp32 ulp at 1: the unmerged bf16 run's own floor. The rollout's log-prob takes (x − mean)/std as the drawn
+# noise, the replay recomputes it from the recorded x (gerl/sampling/steps.py), whatever the transformer computes.
+STEP_FLOOR = 2.0**-23
 
 
-def _generate(make_rollout, tr, merge: bool, between=None):
-    worker = make_rollout(SamplingConfig(**SAMPLING, merge_lora=merge), transformer=tr)
-    calls = []
-    hooks = [m.register_forward_hook(lambda *_: calls.append(1)) for n, m in tr.named_modules()
-             if n.endswith("lora_A.default")]
-    try:
-        with torch.no_grad():
-            batch = worker.generate(PROMPTS, [{}] * 4, torch.tensor([0, 0, 1, 1]), step=0, between=between)
-    finally:
-        for h in hooks:
-            h.remove()
-    return batch.traj, len(calls)
+def _first_ratio(make_rollout, lora_transformer, merge: str) -> float:
+    """max |ratio − 1| of the first update in bf16 with a moved adapter (B ≠ 0); merge: "none" (PEFT's forward on
+    both sides), "rollout" (merged for generation only, as the former sampling.merge_lora did) or "both"."""
+    tr = lora_transformer(randomize=True, dtype=torch.bfloat16)
+    if merge == "both":
+        use_merged_lora(tr)
+    worker = make_rollout(SAMPLING, tr)
+    with torch.no_grad(), merged_lora(tr) if merge == "rollout" else contextlib.nullcontext():
+        batch = worker.generate(PROMPTS, [{}] * 4, torch.tensor([0, 0, 1, 1]), step=0)
+    assert not hasattr(lora_layers(tr)[0], "merged_weight") or merge == "both"
+    actor = ActorWorker(tr, TrainConfig(micro_batch_size=2, learning_rate=1e-4), ModelConfig(lora=True), SAMPLING,
+                        max_steps=1, images_per_step=4, seed=0)
+    return actor.update(batch, torch.tensor([1.0, -1.0, -1.0, 1.0]), step=0)["ratio_max_dev_before_update"]
 
 
-def _base_weights(tr) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in tr.named_parameters() if "lora_" not in n}
+def test_the_merged_rollout_and_replay_keep_the_bf16_ratio_exact(make_rollout, lora_transformer):
+    both = _first_ratio(make_rollout, lora_transformer, "both")
+    rollout_only = _first_ratio(make_rollout, lora_transformer, "rollout")
+    assert both <= STEP_FLOOR, both
+    assert rollout_only > 1e-6, rollout_only  # measured 8.9e-6: W0 + s·B·A rounded once ≠ PEFT's W0·x + s·B(A·x)
+    assert _first_ratio(make_rollout, lora_transformer, "none") <= STEP_FLOOR  # PEFT's floor, for comparison
 
 
-def test_merged_generation_samples_what_the_unmerged_one_does_and_puts_the_weights_back(make_rollout, lora_transformer):
-    tr = lora_transformer(randomize=True, scale=0.05)
-    before = _base_weights(tr)
-    plain, plain_calls = _generate(make_rollout, tr, merge=False)
-    merged, merged_calls = _generate(make_rollout, tr, merge=True)
-    assert plain_calls > 0 and merged_calls == 0  # merged: the adapter's matmuls never ran
-    for key in ("latents", "next_latents", "log_probs", "final_latents"):
-        torch.testing.assert_close(getattr(merged, key), getattr(plain, key), rtol=1e-4, atol=1e-5, msg=key)
-    # ... and the adapter matters here: generating on W0 alone gives other samples
-    tr.disable_adapters()
-    base, _ = _generate(make_rollout, tr, merge=False)
-    tr.enable_adapters()
-    assert (base.final_latents - plain.final_latents).abs().max() > 1e-3
-    after = _base_weights(tr)
-    assert all(torch.equal(before[n], after[n]) for n in before)  # bit for bit, not W − s·B·A
-    assert not any(getattr(m, "merged_adapters", None) for m in tr.modules())  # PEFT's forward is unmerged again
-    again, calls = _generate(make_rollout, tr, merge=False)
-    assert calls > 0 and torch.equal(again.final_latents, plain.final_latents)
-
-
-def test_adapter_tensors_loaded_between_micro_batches_are_merged_before_the_next(make_rollout, lora_transformer):
-    """Staged weights arrive between micro-batches (the streaming/async rollout): the second micro-batch must be
-    generated with them, merged, as the unmerged rollout does."""
-    new_b = {}
-    g = torch.Generator().manual_seed(7)
-
-    def run(merge: bool):
-        tr = lora_transformer(randomize=True, scale=0.05)
-        params = dict(tr.named_parameters())
-        if not new_b:
-            new_b.update({n: torch.randn(p.shape, generator=g) * 0.05 for n, p in params.items() if "lora_B" in n})
-        worker_box = []
-        state = {"n": 0}
-
-        def between():
-            state["n"] += 1
-            if state["n"] == 2:  # before the second micro-batch: a new version of the adapter
-                with torch.no_grad():
-                    for n, t in new_b.items():
-                        params[n].copy_(t)
-                worker_box[0].policy_version = 1
-
-        worker = make_rollout(SamplingConfig(**SAMPLING, merge_lora=merge), transformer=tr)
-        worker_box.append(worker)
-        with torch.no_grad():
-            return worker.generate(PROMPTS, [{}] * 4, torch.tensor([0, 0, 1, 1]), step=0, between=between).traj
-
-    plain, merged = run(False), run(True)
-    torch.testing.assert_close(merged.final_latents, plain.final_latents, rtol=1e-4, atol=1e-5)
-    # the change is visible: the second micro-batch differs from a run that kept the old adapter
-    new_b_saved = dict(new_b)
-    new_b.clear()
-    new_b.update({n: torch.zeros_like(t) for n, t in new_b_saved.items()})
-    zeroed = run(True)
-    assert (zeroed.final_latents[2:] - merged.final_latents[2:]).abs().max() > 1e-3
-    torch.testing.assert_close(zeroed.final_latents[:2], merged.final_latents[:2], rtol=0, atol=0)
-
-
-def test_a_bf16_merge_is_the_exact_sum_rounded_once_and_is_undone_exactly():
-    from peft import LoraConfig, inject_adapter_in_model
-    from torch import nn
-
-    from gerl.models.lora_merge import MergedLora
-
-    class One(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.to_q = nn.Linear(64, 48, bias=False)
-
-    g = torch.Generator().manual_seed(0)
-    model = One()
+def test_the_ema_swap_is_merged_in_and_out(lora_transformer):
+    """Validation under the EMA (ActorWorker.ema.swapped copies into the parameters in place): the forward inside
+    is the EMA adapter's merge, and the trained adapter's again after it."""
+    tr = lora_transformer(randomize=True, dtype=torch.bfloat16)
+    layers = use_merged_lora(tr)
+    actor = ActorWorker(tr, TrainConfig(learning_rate=1e-2, ema_decay=0.5), ModelConfig(lora=True), SAMPLING,
+                        max_steps=1, images_per_step=4, seed=0)
+    _forward(tr).float().square().mean().backward()
+    actor.optimizer_step(True)  # the adapter moves; the EMA is halfway between the old and the new
     with torch.no_grad():
-        model.to_q.weight.copy_(torch.randn(48, 64, generator=g))
-    model = inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8.0, target_modules=["to_q"]), model)
-    model.to(torch.bfloat16)
-    layer = model.to_q
-    layer.lora_A["default"].float()  # as gerl trains it: the base in bf16, the adapter in fp32
-    layer.lora_B["default"].float()
+        trained = _forward(tr)
+        with actor.ema.swapped():
+            ema = _forward(tr)
+            assert all(torch.equal(m.merged_weight, _expected_merged(m)) for m in layers)
+        assert not torch.equal(ema, trained)
+        assert torch.equal(_forward(tr), trained)
+        assert all(torch.equal(m.merged_weight, _expected_merged(m)) for m in layers)
+
+
+def _rollout_role(tiny_pipe, tr, *overrides):
+    from diffusers import StableDiffusion3Pipeline
+
+    from gerl.config import load_config
+    from gerl.engine.roles import RolloutRole
+    from gerl.models.tiny import RESOLUTION
+
+    cfg = load_config(None, ["model.dtype=bf16", "model.merge_lora=true", f"model.resolution={RESOLUTION}",
+                             "sampling.num_steps=4", "sampling.sde_window_size=2", "sampling.sde_window_range=[0,3]",
+                             "sampling.micro_batch_size=2", "reward.with_reward=false", *overrides])
+    pipe = StableDiffusion3Pipeline(**{**tiny_pipe.components, "transformer": tr})
+    return RolloutRole(cfg, pipe, reward_fns=[lambda images, prompts, metadata: [0.0] * len(images)])
+
+
+def test_staged_weights_are_merged_before_the_next_micro_batch(tiny_pipe, lora_transformer):
+    """The stream schedule's staged weights land between micro-batches (RolloutRole._load_staged): the batch
+    generated after them equals one generated by a rollout host that merged them from the start."""
+    tr = lora_transformer(randomize=True, dtype=torch.bfloat16)
+    role = _rollout_role(tiny_pipe, tr)
+    assert hasattr(lora_layers(tr)[0], "merged_weight")  # the role switched the merge on (model.merge_lora)
+    first = role.generate(PROMPTS, [{}] * 4, torch.tensor([0, 0, 1, 1]), step=0)[0]
+    g = torch.Generator().manual_seed(5)
+    new = {n: (t + torch.randn(t.shape, generator=g) * 0.05 if "lora_B" in n else t)
+           for n, t in role.weights().items()}
+    role.stage_weights(new, version=1)
+    staged = role.generate(PROMPTS, [{}] * 4, torch.tensor([0, 0, 1, 1]), step=0)[0]
+    assert staged.policy_version == 1 and staged.timings["weight_load_s"] > 0
+
+    other = lora_transformer(randomize=True, dtype=torch.bfloat16)
     with torch.no_grad():
-        layer.lora_B["default"].weight.copy_(torch.randn(48, 4, generator=g) * 0.01)
-    w0 = layer.base_layer.weight.detach().clone()
-    a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
-    assert a.dtype == b.dtype == torch.float32 and w0.dtype == torch.bfloat16
-    expected = (w0.float() + (b @ a) * (8.0 / 4)).to(torch.bfloat16)  # α/r = 2
-    x = torch.randn(3, 64, generator=g).to(torch.bfloat16)
-    with MergedLora(model).merged():
-        assert torch.equal(layer.base_layer.weight, expected)
-        assert torch.equal(layer(x), x @ expected.T)  # the forward is the base layer on the merged weight alone
-        assert not torch.equal(expected, w0)  # the delta survived the rounding here
-    assert torch.equal(layer.base_layer.weight, w0) and not layer.merged_adapters
+        for n, p in other.named_parameters():
+            if n in new:
+                p.copy_(new[n])
+    direct = _rollout_role(tiny_pipe, other).generate(PROMPTS, [{}] * 4, torch.tensor([0, 0, 1, 1]), step=0)[0]
+    assert torch.equal(staged.traj.log_probs, direct.traj.log_probs)
+    assert torch.equal(staged.traj.final_latents, direct.traj.final_latents)
+    assert not torch.equal(staged.traj.final_latents, first.traj.final_latents)  # the new adapter mattered
 
 
-def test_merge_lora_without_an_adapter_is_refused():
-    import pytest
-
+def test_the_old_key_names_the_new_one_and_full_fine_tuning_is_refused():
     from gerl.config import load_config
     from gerl.errors import UserError
 
-    with pytest.raises(UserError, match="sampling.merge_lora=true merges a LoRA adapter, but model.lora=false"):
-        load_config(None, ["model.lora=false", "sampling.merge_lora=true"])
-    assert load_config(None, ["sampling.merge_lora=true"]).sampling.merge_lora is True
+    with pytest.raises(UserError, match="sampling.merge_lora has moved to model.merge_lora"):
+        load_config(None, ["sampling.merge_lora=true"])
+    with pytest.raises(UserError, match="model.merge_lora=true merges a LoRA adapter, but model.lora=false"):
+        load_config(None, ["model.lora=false", "model.merge_lora=true"])
+    assert load_config(None, ["model.merge_lora=true"]).model.merge_lora is True
 
 
-def test_a_run_on_merged_rollouts_trains_like_one_on_unmerged_rollouts(tmp_path):
-    """Three steps of the local engine (rollout and actor share the transformer): with merge_lora the first
-    update's ratio is still 1 to fp32 rounding at every step — the trainer's unmerged forward recomputes what the
-    merged rollout sampled, after the adapter has moved — and step 1 (B = 0: W0 + s·B·A is W0) is the unmerged
-    run's exactly. (Later steps drift apart by pixel rounding: a JPEG reward of uint8 images, then AdamW.)"""
-    import json
+def test_a_local_bf16_run_is_exact_at_every_step_and_resumes_bit_exactly(tmp_path):
+    """Three steps of the local engine in bf16 (rollout and actor share the merged transformer): the ratio before
+    every update is at the step's floor after the adapter has moved, and the transformer's next forward is a merge
+    of the adapter the run ended with; a run resumed from its step-2 checkpoint (a fresh transformer, merged at
+    B = 0, then the checkpoint copied in) ends with the uninterrupted run's adapter."""
+    import copy
 
     from safetensors.torch import load_file
 
-    from gerl.trainer import train
+    from gerl.models.lora_merge import drop_merged_lora
+    from gerl.trainer import Trainer, prepare
     from tests.train.helpers import small_config
 
-    runs = {}
-    for merge in (False, True):
-        out = tmp_path / f"merge_{merge}"
-        train(small_config(out, "max_steps=3", "checkpoint.every=3", f"sampling.merge_lora={str(merge).lower()}"))
+    def run(out, *extra):
+        cfg = small_config(out, "model.dtype=bf16", "model.merge_lora=true", "checkpoint.every=2",
+                           "checkpoint.keep_last=0", *extra)
+        trainer = Trainer(cfg, prepare(cfg))
+        trainer.fit()
         rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
-        runs[merge] = rows, load_file(str(next((out / "checkpoints").glob("step_*")) / "trainable.safetensors"))
-    (plain, _), (merged, w_merged) = runs[False], runs[True]
-    assert [r["step"] for r in merged] == [1, 2, 3]
-    devs = [r["ratio_max_dev_before_update"] for r in merged]
-    assert all(d < 1e-4 for d in devs), devs
-    assert merged[0]["reward_mean"] == plain[0]["reward_mean"]
-    assert any(w_merged[n].abs().max() > 0 for n in w_merged if "lora_B" in n)  # the adapter did move
+        return rows, trainer.engine.actor.pipe.transformer
+
+    full, tr = run(tmp_path / "full", "max_steps=3")
+    run(tmp_path / "split", "max_steps=2")
+    resumed, _ = run(tmp_path / "split", "max_steps=3", "resume=true")
+    assert all(r["ratio_max_dev_before_update"] <= STEP_FLOOR for r in full), full
+    fresh = copy.deepcopy(tr)
+    drop_merged_lora(fresh)
+    use_merged_lora(fresh)
+    with torch.no_grad():
+        assert torch.equal(_forward(tr), _forward(fresh))
+    assert [r["reward_mean"] for r in resumed] == [r["reward_mean"] for r in full]
+    a = load_file(str(tmp_path / "full/checkpoints/step_000003/trainable.safetensors"))
+    b = load_file(str(tmp_path / "split/checkpoints/step_000003/trainable.safetensors"))
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    step2 = load_file(str(tmp_path / "full/checkpoints/step_000002/trainable.safetensors"))
+    assert any(not torch.equal(a[n], step2[n]) for n in a if "lora_B" in n)  # the adapter did move
