@@ -21,6 +21,9 @@ from gerl.config import Config, reward_components, trained_steps_per_sample, der
 from gerl.models.loader import (
     ROLE_COMPONENTS, TextEmbedder, add_lora, load_lora_into_pipeline, load_pipeline, resolve_device,
 )
+from gerl.models.attention import set_attention_backend
+from gerl.models.compile import compile_transformer, take_compile_metrics, variant_bound
+from gerl.models.family import family_of
 from gerl.workers.actor import ActorWorker
 from gerl.workers.reward import RewardResult, RewardSet
 from gerl.workers.rollout import RolloutWorker
@@ -48,13 +51,16 @@ def compute_context(cfg: Config):
 
 
 def build_pipeline(cfg: Config, device: str | None = None, roles: tuple[str, ...] = ("actor", "rollout")):
-    """The SD3 pipeline with the configured adapter attached (fresh, or cfg.model.init_lora), holding only the
-    parts `roles` use: an actor alone loads the transformer and nothing else."""
+    """The pipeline with the configured adapter attached (fresh, or cfg.model.init_lora), holding only the parts
+    `roles` use: an actor alone loads the transformer and nothing else. The speed levers apply here, once, to the
+    transformer both roles call: the attention backend, then (after the adapter) the compiled blocks."""
     parts = tuple(dict.fromkeys(c for r in roles for c in ROLE_COMPONENTS[r]))
     device = device or cfg.model.device
     if resolve_device(device).type == "cuda":  # Flow-GRPO's allow_tf32: fp32 matmuls (the LoRA's) on tensor cores
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.model.tf32
     pipe = load_pipeline(cfg.model.path, cfg.model.dtype, device, cfg.model.tiny_seed, parts)
+    family = family_of(pipe)
+    set_attention_backend(pipe.transformer, cfg.model.attention_backend, family)
     if cfg.model.lora:
         if cfg.model.init_lora:
             load_lora_into_pipeline(pipe, cfg.model.init_lora, adapter_name="default")
@@ -65,6 +71,8 @@ def build_pipeline(cfg: Config, device: str | None = None, roles: tuple[str, ...
         else:
             add_lora(pipe.transformer, cfg.model.lora_rank, cfg.model.lora_alpha, cfg.model.lora_targets,
                      cfg.model.lora_init, seed=cfg.seed)  # every rank the same adapter, every run of a seed the same
+    if cfg.model.compile:  # after the adapter: its layers are part of each block's graph
+        compile_transformer(pipe.transformer, family, variants=variant_bound(cfg, family))
     return pipe
 
 
@@ -117,6 +125,8 @@ class RolloutRole:
         with compute_context(self.cfg):
             batch = self.worker.generate(prompts, metadata, group_ids, step, submit=submit, index_offset=index_offset,
                                          between=self._load_staged)
+        if self.cfg.model.compile:  # what compiled since the last report (validation's shapes included)
+            batch.timings.update(take_compile_metrics("rollout"))
         with self._lock:
             batch.timings["weight_load_s"], self._load_s = self._load_s, 0.0
             key = next(self._keys)
@@ -233,6 +243,8 @@ class ActorRole:
     def update(self, batch, advantages, step: int) -> dict:
         with compute_context(self.cfg):
             m = self.worker.update(batch, advantages, step)
+        if self.cfg.model.compile:
+            m.update(take_compile_metrics("actor"))
         self._remember()
         return m
 
