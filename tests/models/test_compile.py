@@ -88,27 +88,6 @@ def compiled(tiny_pipe):
     return tr, info, keys, calls
 
 
-def test_build_pipeline_compiles_after_the_adapter_is_attached():
-    """Where gerl builds the model both roles call: the adapter's layers are inside the compiled blocks."""
-    from gerl.engine.roles import build_pipeline
-
-    cfg = Config(model=ModelConfig(compile=True))
-    tr = build_pipeline(cfg, roles=("actor",)).transformer
-    assert all(b._compiled_call_impl is not None for b in tr.transformer_blocks)
-    assert any("lora_A" in n for n, _ in tr.transformer_blocks[0].named_parameters())
-    assert torch._dynamo.config.recompile_limit == STRUCTURES * variant_bound(cfg, family_of(tr))
-    assert build_pipeline(Config(), roles=("actor",)).transformer.transformer_blocks[0]._compiled_call_impl is None
-
-
-def test_a_family_whose_shapes_change_per_batch_is_refused():
-    from gerl.errors import UserError
-    from gerl.models.family import families
-
-    qwen = families()["qwenimage"]
-    with pytest.raises(UserError, match="model.compile=true cannot keep Qwen-Image's shapes fixed: its text length"):
-        compile_transformer(torch.nn.Linear(1, 1), qwen)
-
-
 def _step(make_rollout, tr, actor, step: int):
     rollout = make_rollout(SAMPLING, tr)
     batch = rollout.generate(PROMPTS, [{}] * 4, GROUPS, step=step)
@@ -189,6 +168,27 @@ def test_a_shape_that_changes_every_call_is_a_recompile_and_then_an_error(compil
             pytest.raises(Exception, match="recompile_limit|cache_size_limit|fail_on_recompile_limit_hit"):
         torch._dynamo.config.recompile_limit = 1  # as if the run's bound were reached
         call(6)
+
+
+def test_build_pipeline_compiles_after_the_adapter_is_attached():
+    """Where gerl builds the model both roles call: the adapter's layers are inside the compiled blocks."""
+    from gerl.engine.roles import build_pipeline
+
+    cfg = Config(model=ModelConfig(compile=True))
+    tr = build_pipeline(cfg, roles=("actor",)).transformer
+    assert all(b._compiled_call_impl is not None for b in tr.transformer_blocks)
+    assert any("lora_A" in n for n, _ in tr.transformer_blocks[0].named_parameters())
+    assert torch._dynamo.config.recompile_limit == STRUCTURES * variant_bound(cfg, family_of(tr))
+    assert build_pipeline(Config(), roles=("actor",)).transformer.transformer_blocks[0]._compiled_call_impl is None
+
+
+def test_a_family_whose_shapes_change_per_batch_is_refused():
+    from gerl.errors import UserError
+    from gerl.models.family import families
+
+    qwen = families()["qwenimage"]
+    with pytest.raises(UserError, match="model.compile=true cannot keep Qwen-Image's shapes fixed: its text length"):
+        compile_transformer(torch.nn.Linear(1, 1), qwen)
 
 
 def test_a_graph_break_in_a_block_is_an_error_or_is_counted(tiny_pipe, monkeypatch):
