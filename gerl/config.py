@@ -42,6 +42,8 @@ class ModelConfig:
     gradient_checkpointing: bool = False  # recompute each transformer block's activations in the backward pass: SD3.5-M's training activations at 512² micro-batch 8 drop from 23.8 to 1.8 GiB (28.5 → 6.5 GiB with the fp16 weights) for ~1/3 more training compute (`gerl plan` shows both)
     tf32: bool = True  # TF32 tensor cores for fp32 matmuls on Ampere+ GPUs (Flow-GRPO's allow_tf32); no effect on CPU
     merge_lora: bool = False  # rollout and training both compute each adapted linear as one matmul with W0 + s·B·A merged in the model dtype, re-merged whenever the adapter changes (gerl/models/lora_merge.py): faster than PEFT's three matmuls on a GPU, and the ratio stays exactly 1 before an update; costs one more copy of the adapted linears' weights in the model dtype on every host holding the transformer; needs model.lora
+    compile: bool = False  # torch.compile each transformer block in place (regional; inductor, one graph per block, static shapes), once at start-up after the LoRA is attached, so the rollout and the training replay run the same compiled blocks (gerl/models/compile.py). Effect: fused elementwise ops and fewer kernel launches in every denoising step and training forward. Cost: compilation in the first step — each distinct (grad mode, batch rows, adapter on/off) compiles once per block structure, seconds each on a GPU, logged as rollout_compile_s / actor_compile_s — and nothing after it; not for Qwen-Image (its text length varies per batch) nor an fp16 rehearsal (its GEMM emulation is eager-only)
+    attention_backend: Literal["sdpa", "cudnn", "flash", "flash3"] = "sdpa"  # attention kernel of the transformer, the same for rollout and training (diffusers' dispatcher; gerl/models/attention.py): sdpa = torch's scaled_dot_product_attention as the stock pipelines call it; cudnn = cuDNN attention; flash = FlashAttention-2 (the flash-attn package); flash3 = FlashAttention-3 (Hopper). All but sdpa need a CUDA GPU and model.dtype bf16/fp16 and are probed at start-up on the device (a missing kernel is an error there, naming the fix)
 
 
 @dataclass
@@ -755,6 +757,7 @@ def _relations(cfg: Config) -> list[str]:
     if cfg.model.merge_lora and not cfg.model.lora:
         e.append("model.merge_lora=true merges a LoRA adapter, but model.lora=false trains every weight; drop "
                  "model.merge_lora or set model.lora=true")
+    e += _speed_relations(cfg)
     if cfg.model.dtype == "fp16" and not cfg.model.lora:
         e.append("model.dtype=fp16 with model.lora=false would train fp16 weights with no fp32 master copy (AdamW's "
                  "small updates round away, and loss-scaled gradients cannot be unscaled in fp16); use bf16 or fp32 "
@@ -770,6 +773,26 @@ def _relations(cfg: Config) -> list[str]:
     if mini % g.actor_workers or (mini // g.actor_workers) % t.micro_batch_size:
         e.append(f"train.mini_batch_size ({mini}) must split evenly over engine.actor_workers ({g.actor_workers}) "
                  f"in multiples of train.micro_batch_size ({t.micro_batch_size})")
+    return e
+
+
+def _speed_relations(cfg: Config) -> list[str]:
+    """model.compile and model.attention_backend where they cannot act (what needs the device is probed at build)."""
+    m, g = cfg.model, cfg.engine
+    e = []
+    if m.compile and g.rehearse and m.dtype == "fp16":
+        e.append("model.compile=true with an fp16 rehearsal: the rehearsal emulates the GPU's fp16 GEMMs with a "
+                 "dispatch mode that compiled blocks bypass; set model.compile=false for the rehearsal")
+    b = m.attention_backend
+    if b != "sdpa":
+        if m.dtype == "fp32":
+            e.append(f"model.attention_backend={b} computes in bf16/fp16 only, and model.dtype=fp32; set "
+                     "model.dtype=bf16 or model.attention_backend=sdpa")
+        cpu = g.rehearse or g.device == "cpu" or m.device.split(":")[0] == "cpu"
+        if cpu:
+            e.append(f"model.attention_backend={b} needs a CUDA GPU, and this run computes on the CPU "
+                     f"({'engine.rehearse' if g.rehearse else 'engine.device' if g.device == 'cpu' else 'model.device'}"
+                     "); set model.attention_backend=sdpa")
     return e
 
 

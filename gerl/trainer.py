@@ -25,6 +25,7 @@ from gerl.checkpoint import find_resume_checkpoint
 from gerl.config import Config, derived_sizes, redact, reward_components, to_dict, to_yaml, trained_steps_per_sample
 from gerl.data.prompts import Prompt, PromptSampler, load_prompts
 from gerl.errors import Interrupted, RunAborted, UserError
+from gerl.logging.describe import speed
 from gerl.logging.images import image_grid, save_grid_captions
 from gerl.logging.metrics import MetricsLogger, read_jsonl
 from gerl.logging.throughput import tracker_for
@@ -76,7 +77,10 @@ def prepare(cfg: Config) -> Prepared:
             read_jsonl(Path(cfg.output_dir) / log)
     _check_resume(cfg, resume_from)
     # the model's family from its model_index.json: a directory gerl cannot train fails here, before anything loads
-    model_family(cfg.model.path)
+    family = model_family(cfg.model.path)
+    if cfg.model.compile and family is not None and family.compile_refusal:
+        raise UserError(f"model.compile=true cannot keep {family.title}'s shapes fixed: {family.compile_refusal}; set "
+                        "model.compile=false")
     if cfg.model.init_lora:
         lora_file(cfg.model.init_lora)
     if cfg.log.wandb:
@@ -396,6 +400,7 @@ class Trainer:
     def fit(self) -> Path:
         cfg = self.cfg
         print("gerl: " + ", ".join(f"{k}={v}" for k, v in self.sizes.items()), file=sys.stderr)
+        print(f"gerl: transformer: {speed(to_dict(cfg))}", file=sys.stderr)
         if self.planner is not None:  # a GPU run: what each role should peak at, before it does
             plan = self.planner.result()
             if plan is not None:

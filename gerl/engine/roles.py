@@ -21,6 +21,9 @@ from gerl.config import Config, reward_components, trained_steps_per_sample, der
 from gerl.models.loader import (
     ROLE_COMPONENTS, TextEmbedder, add_lora, load_lora_into_pipeline, load_pipeline, resolve_device,
 )
+from gerl.models.attention import set_attention_backend
+from gerl.models.compile import compile_transformer, take_compile_metrics, variant_bound
+from gerl.models.family import family_of
 from gerl.workers.actor import ActorWorker
 from gerl.workers.reward import RewardResult, RewardSet
 from gerl.workers.rollout import RolloutWorker
@@ -48,8 +51,8 @@ def compute_context(cfg: Config):
 
 
 def build_pipeline(cfg: Config, device: str | None = None, roles: tuple[str, ...] = ("actor", "rollout")):
-    """The SD3 pipeline with the configured adapter attached (fresh, or cfg.model.init_lora), holding only the
-    parts `roles` use: an actor alone loads the transformer and nothing else."""
+    """The pipeline with the configured adapter attached (fresh, or cfg.model.init_lora) and the speed levers
+    applied, holding only the parts `roles` use: an actor alone loads the transformer and nothing else."""
     parts = tuple(dict.fromkeys(c for r in roles for c in ROLE_COMPONENTS[r]))
     device = device or cfg.model.device
     set_matmul_precision(cfg, device)  # before loading: TF32 is a process-wide switch
@@ -64,8 +67,8 @@ def set_matmul_precision(cfg: Config, device) -> None:
 
 def prepare_pipeline(pipe, cfg: Config, device=None):
     """Everything `gerl train` does to a loaded pipeline before the roles use it: the TF32 switch, the adapter
-    (fresh, or cfg.model.init_lora). benchmarks/ call it on their random-weight architectures so that what they
-    time is built exactly as a run is."""
+    (fresh, or cfg.model.init_lora), then the speed levers (`apply_levers`). benchmarks/ call it on their
+    random-weight architectures so that what they time is built exactly as a run is."""
     set_matmul_precision(cfg, device or cfg.model.device)
     if cfg.model.lora:
         if cfg.model.init_lora:
@@ -77,17 +80,29 @@ def prepare_pipeline(pipe, cfg: Config, device=None):
         else:
             add_lora(pipe.transformer, cfg.model.lora_rank, cfg.model.lora_alpha, cfg.model.lora_targets,
                      cfg.model.lora_init, seed=cfg.seed)  # every rank the same adapter, every run of a seed the same
+    apply_levers(pipe, cfg)
     return pipe
 
 
-def merge_lora(cfg: Config, pipe) -> None:
-    """model.merge_lora: the adapted linears of the transformer both roles share (or each host's own) compute on
-    W0 + s·B·A merged, in generation and training alike (gerl/models/lora_merge.py). Idempotent: each role calls
-    it, whether it built the pipeline or was handed one."""
-    if cfg.model.merge_lora:
+def apply_levers(pipe, cfg: Config) -> dict:
+    """The speed levers that keep the ratio exact, on the transformer both roles call, in a fixed order (after the
+    adapter; each idempotent, so each role calls it again on a pipeline it was handed): the attention backend, the
+    exact merged LoRA (gerl/models/lora_merge.py), then the compiled blocks (gerl/models/compile.py; nothing
+    compiles before the first call, so the merged layers are in each block's graph). Returns what compile_transformer
+    reports (empty when nothing was compiled now)."""
+    m, info = cfg.model, {}
+    family = family_of(pipe)
+    if getattr(pipe.transformer, "_gerl_attention", "sdpa") != m.attention_backend:
+        set_attention_backend(pipe.transformer, m.attention_backend, family)
+        pipe.transformer._gerl_attention = m.attention_backend
+    if m.merge_lora:
         from gerl.models.lora_merge import use_merged_lora
 
         use_merged_lora(pipe.transformer)
+    if m.compile and not getattr(pipe.transformer, "_gerl_compiled", False):
+        info = compile_transformer(pipe.transformer, family, variants=variant_bound(cfg, family))
+        pipe.transformer._gerl_compiled = True
+    return info
 
 
 def trainable_names(transformer, lora: bool) -> list[str]:
@@ -102,7 +117,7 @@ class RolloutRole:
         pin_cpus(cores)
         self.cfg, self.rank = cfg, rank
         self.pipe = pipe if pipe is not None else build_pipeline(cfg, device, roles=("rollout",))
-        merge_lora(cfg, self.pipe)
+        apply_levers(self.pipe, cfg)  # a pipeline handed in (the local engine's, a test's) gets them too
         self.embedder = TextEmbedder(self.pipe, cfg.model.max_sequence_length, cfg.model.text_cache_size)
         # nft/awm/dgpo learn from clean samples alone: the rollout samples a plain ODE and records no SDE step
         self.worker = RolloutWorker(self.pipe, self.embedder, cfg.sampling, cfg.model.resolution, cfg.seed,
@@ -140,6 +155,8 @@ class RolloutRole:
         with compute_context(self.cfg):
             batch = self.worker.generate(prompts, metadata, group_ids, step, submit=submit, index_offset=index_offset,
                                          between=self._load_staged)
+        if self.cfg.model.compile:  # what compiled since the last report (validation's shapes included)
+            batch.timings.update(take_compile_metrics("rollout"))
         with self._lock:
             batch.timings["weight_load_s"], self._load_s = self._load_s, 0.0
             key = next(self._keys)
@@ -232,7 +249,7 @@ class ActorRole:
         pin_cpus(cores)
         self.cfg, self.rank, self.world = cfg, rank, world
         self.pipe = pipe if pipe is not None else build_pipeline(cfg, device, roles=("actor",))
-        merge_lora(cfg, self.pipe)
+        apply_levers(self.pipe, cfg)  # a pipeline handed in (the local engine's, a test's) gets them too
         sizes = derived_sizes(cfg, trained_steps_per_sample(cfg))
         self.worker = ActorWorker(self.pipe.transformer, cfg.train, cfg.model, cfg.sampling, cfg.max_steps,
                                   sizes["images_per_step"], cfg.seed, world=world, grad_sync=grad_sync,
@@ -257,6 +274,8 @@ class ActorRole:
     def update(self, batch, advantages, step: int) -> dict:
         with compute_context(self.cfg):
             m = self.worker.update(batch, advantages, step)
+        if self.cfg.model.compile:
+            m.update(take_compile_metrics("actor"))
         self._remember()
         return m
 

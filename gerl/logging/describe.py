@@ -95,6 +95,13 @@ def schedule(cfg: dict) -> str:
     return " + ".join(parts) or "sync"
 
 
+def speed(cfg: dict) -> str:
+    """The speed levers that keep the ratio exact (both sides use them): the attention kernel (model.attention_backend)
+    and whether the transformer's blocks are compiled (model.compile)."""
+    compiled = "compiled blocks" if setting(cfg, "model.compile") is True else "eager"
+    return f"attention {setting(cfg, 'model.attention_backend')}, {compiled}"
+
+
 def optimizer_steps_per_update(cfg: dict) -> int:
     """inner_epochs × mini-batches per step (train.mini_batch_size 0 = the whole step's images: one)."""
     images = setting(cfg, "data.prompts_per_step") * setting(cfg, "data.group_size")

@@ -49,6 +49,10 @@ class Family:
         components: the pipeline's weighted parts; text encoders map to their tokenizers in `tokenizers`.
         negative_prompt: the text of the unconditional branch when `uses_negative` (the stock pipelines' default).
         lora_targets: the default LoRA target modules (model.lora_targets = []), as the peers train this family.
+        block_lists: the transformer's attributes holding its repeated blocks, in call order: what model.compile
+            compiles, one block at a time (gerl/models/compile.py).
+        compile_refusal: why model.compile cannot keep this family's shapes fixed ("" = it can).
+        attention_mask: whether the transformer passes an attention mask to its attention (a backend must take one).
     """
 
     name: str = ""
@@ -59,6 +63,9 @@ class Family:
     tokenizers: dict[str, str] = {}
     negative_prompt: str = ""
     lora_targets: tuple[str, ...] = ()
+    block_lists: tuple[str, ...] = ("transformer_blocks",)
+    compile_refusal: str = ""
+    attention_mask: bool = False
 
     def pipeline_cls(self):
         """The diffusers pipeline class (from_pretrained, save_lora_weights)."""
@@ -79,6 +86,15 @@ class Family:
     def uses_negative(self, guidance: float) -> bool:
         """Whether `velocity` at this guidance reads the negative embeddings (a second, unconditional pass)."""
         raise NotImplementedError
+
+    def forward_rows(self, batch: int, guidance: float) -> int:
+        """The batch rows of each transformer call `velocity` makes for `batch` samples at `guidance` (SD3 doubles
+        the batch for classifier-free guidance): the shapes a compiled block sees (gerl/models/compile.py)."""
+        return batch
+
+    def use_attention_dispatch(self, transformer) -> None:
+        """Make every attention of `transformer` call diffusers' attention dispatcher (`dispatch_attention_fn`), so
+        that `set_attention_backend` reaches it. FLUX's and Qwen-Image's processors already do."""
 
     def latent_shape(self, pipe, resolution: int) -> tuple[int, int, int]:
         """The canonical (unpacked) latent of one image, (C, h, w), at `resolution` pixels."""

@@ -53,6 +53,7 @@ class Flux(Family):
     title = "FLUX.1-dev / FLUX.1-schnell"
     pipeline_classes = ("FluxPipeline",)
     transformer_class = "FluxTransformer2DModel"
+    block_lists = ("transformer_blocks", "single_transformer_blocks")  # double-stream (MMDiT), then single-stream
     components = ("transformer", "vae", "text_encoder", "text_encoder_2")
     tokenizers = {"text_encoder": "tokenizer", "text_encoder_2": "tokenizer_2"}
     negative_prompt = ""  # unused: FLUX.1 has no classifier-free guidance pass (uses_negative is always false)

@@ -47,6 +47,10 @@ class QwenImage(Family):
     title = "Qwen-Image"
     pipeline_classes = ("QwenImagePipeline",)
     transformer_class = "QwenImageTransformer2DModel"
+    # _text cuts each batch's prompts to its longest, as the stock pipeline does: a new length is a new shape
+    compile_refusal = ("its text length is each batch's longest prompt (the stock pipeline's cut), so every new "
+                       "length would compile the blocks again")
+    attention_mask = True  # a batch whose prompts differ in length masks the padding
     components = ("transformer", "vae", "text_encoder")
     tokenizers = {"text_encoder": "tokenizer"}
     negative_prompt = " "  # verl-omni examples/flowgrpo_trainer/data_process/qwenimage_ocr.py negative_user_prompt

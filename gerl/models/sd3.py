@@ -44,6 +44,15 @@ class SD3(Family):
     def uses_negative(self, guidance: float) -> bool:
         return guidance > 1.0
 
+    def forward_rows(self, batch: int, guidance: float) -> int:
+        return 2 * batch if self.uses_negative(guidance) else batch  # CFG: one pass on [uncond; cond]
+
+    def use_attention_dispatch(self, transformer) -> None:
+        # diffusers' SD3 processor calls F.scaled_dot_product_attention itself, which set_attention_backend skips
+        from gerl.models.attention import JointAttnDispatchProcessor
+
+        transformer.set_attn_processor(JointAttnDispatchProcessor())
+
     def latent_shape(self, pipe, resolution: int) -> tuple[int, int, int]:
         factor = 2 ** (len(pipe.vae.config.block_out_channels) - 1)  # 8 for SD3's VAE
         return pipe.transformer.config.in_channels, resolution // factor, resolution // factor

@@ -109,6 +109,10 @@ class ActorWorker:
         needs_ref = train.beta > 0 or (self.algo.name == "dgpo" and self.algo.dgpo_reference == "base")
         if needs_ref and not model.lora:
             self.ref = copy.deepcopy(transformer).requires_grad_(False).eval()
+            if model.compile:  # a deep copy drops the compiled blocks (Module.__getstate__): compile its own
+                from gerl.models.compile import compile_transformer
+
+                compile_transformer(self.ref, variants=None)
         self.version = 0  # training steps (update calls) completed: the policy version handed to rollouts
         self.optimizer_steps = 0  # optimizer steps taken (the anchor's decay schedule counts these)
         # nft/awm/dgpo: noise levels trained per sample
