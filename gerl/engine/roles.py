@@ -54,7 +54,7 @@ def build_pipeline(cfg: Config, device: str | None = None, roles: tuple[str, ...
     device = device or cfg.model.device
     if resolve_device(device).type == "cuda":  # Flow-GRPO's allow_tf32: fp32 matmuls (the LoRA's) on tensor cores
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.model.tf32
-    pipe = load_pipeline(cfg.model.path, cfg.model.dtype, device, cfg.model.tiny_seed, parts)
+    pipe = load_pipeline(cfg.model.path, cfg.model.dtype, device, cfg.model.tiny_seed, parts, cfg.model.vae_dtype)
     if cfg.model.lora:
         if cfg.model.init_lora:
             load_lora_into_pipeline(pipe, cfg.model.init_lora, adapter_name="default")
