@@ -46,15 +46,27 @@ def to_channels_last(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
+def uses_channels_last(vae: torch.nn.Module, device: torch.device | str) -> bool:
+    """Whether a bf16 VAE decodes faster with channels-last weights, as measured (benchmarks/bench_vae.py's
+    variants; docs/benchmarks.md, "The VAE decode"): yes for Qwen-Image's causal 3-D VAE anywhere (H200, 512², 8
+    images: 0.122–0.126 s vs 0.132–0.136 s contiguous; the CPU above: 2.57 vs 2.70 s at 128²); for a 2-D
+    AutoencoderKL (SD3's, FLUX.1's) on a CPU (0.75–0.81 s vs 0.92–1.16 s with native bf16; 6.41 vs 6.42 s without),
+    but not on CUDA, where cuDNN ran it 11–19 % slower (SD3.5-M's VAE: 0.124 vs 0.111 s at 512² × 8, 0.235 vs
+    0.210 s × 16, with and without cudnn.benchmark; FLUX.1's at 1024² × 2: 0.213 vs 0.179 s)."""
+    three_d = any(isinstance(m, torch.nn.Conv3d) for m in vae.modules())
+    return three_d or torch.device(device).type == "cpu"
+
+
 def prepare_vae(vae: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    """The VAE cast to `dtype` (fp32 or bf16), in place. bf16 also goes to channels_last: on a GPU that is the layout
-    cuDNN's bf16 tensor-core convolutions run natively (NCHW may pay a transpose around each), and on the CPU above
-    it was not slower (0.75–0.81 s vs 0.92–1.16 s with native bf16, 6.41 vs 6.42 s without). fp32 stays contiguous:
-    on that CPU channels_last fp32 was as often slower as faster (1.57–2.24 s vs 1.59–1.74 s)."""
+    """The VAE cast to `dtype` (fp32 or bf16) on the device it is on, in place, and in bf16 its weights channels-last
+    where that was measured faster (`uses_channels_last`). fp32 stays contiguous: on the CPU above channels_last fp32
+    was as often slower as faster (1.57–2.24 s vs 1.59–1.74 s), on the H200 slower for SD3.5-M's VAE (0.172 vs
+    0.157 s) and faster only for Qwen-Image's (0.203 vs 0.217 s), and on a GPU fp32 is not what auto picks."""
     if dtype not in VAE_DTYPES.values():
         raise ValueError(f"the VAE decodes in fp32 or bf16, not {dtype} (fp16 overflows to NaN in its decoder)")
     vae.to(dtype)
-    if dtype == torch.bfloat16:
+    device = next(vae.parameters()).device
+    if dtype == torch.bfloat16 and uses_channels_last(vae, device):
         to_channels_last(vae)
     return vae
 
