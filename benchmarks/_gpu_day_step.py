@@ -65,19 +65,30 @@ def step_config(name: str, rehearse: bool, extra: list[str] = ()):
     return load_config(path, [*gpu, *rehearse_keys, *extra, "engine.kind=local"])
 
 
-def forwards_per_image(cfg) -> tuple[int, int]:
-    """(rollout, training) transformer forward-equivalents per image of a step (a backward counts as 2):
-    the FLOPs model of the MFU below. flow_grpo: gerl.logging.throughput.flow_grpo_step_flops instead."""
-    a, t, s = cfg.algo, cfg.train, cfg.sampling
-    rollout = s.num_steps * (2 if s.guidance_scale > 1 else 1)
-    per_point = 3 + (1 if t.beta > 0 else 0)  # policy forward + backward; the reference's forward for the KL
-    if a.name == "nft" or a.anchor_beta > 0:
-        per_point += 1  # the anchor's velocity
-    if a.name == "awm":
-        per_point += 1  # the old log-prob's no-grad forward
-    if a.name == "dgpo":
-        per_point += 1  # the reference's error
-    return rollout, a.train_timesteps * per_point * t.inner_epochs
+def step_flops(cfg, config: dict, text_len: int, images: int, trained_steps: int, decode_per_image: int,
+               vae_factor: int = 8) -> int:
+    """Model FLOPs of one step of recipe `cfg` (gerl/logging/flops.py): the rollout's forwards (the unmerged
+    adapter's matmuls included), one VAE decode per image, and per trained point the policy's LoRA forward + backward
+    (no weight gradient for frozen weights: ≈ 2.2 forwards, where this bench counted 3 until issue 45) plus the
+    no-grad forwards the algorithm adds: the reference's for the KL (base weights), nft's anchor velocity (or any
+    anchor_beta > 0), awm's old log-prob pass (both with an adapter). flow_grpo: `flow_grpo_step_flops`."""
+    from gerl.logging.flops import Lora, backward_flops, flow_grpo_step_flops, forward_flops, transformer_ops
+    from gerl.models.family import families
+
+    m, a, t, s = cfg.model, cfg.algo, cfg.train, cfg.sampling
+    lora = Lora(tuple(m.lora_targets or families()["sd3"].lora_targets), m.lora_rank) if m.lora else None
+    if a.name == "flow_grpo":
+        return flow_grpo_step_flops(config, resolution=m.resolution, text_len=text_len, images=images,
+                                    num_steps=s.num_steps, guidance_scale=s.guidance_scale, trained_steps=trained_steps,
+                                    inner_epochs=t.inner_epochs, beta=t.beta, lora=lora, merged_rollout=m.merge_lora,
+                                    decode_flops_per_image=decode_per_image, vae_scale_factor=vae_factor)["total"]
+    ops = transformer_ops(config, m.resolution, text_len, vae_factor)
+    cfg_mult = 2 if s.guidance_scale > 1 else 1
+    base, policy = forward_flops(ops), forward_flops(ops, lora)
+    rollout = images * s.num_steps * cfg_mult * (base if m.merge_lora else policy)
+    per_point = policy + backward_flops(ops, lora) + (base if t.beta > 0 else 0)
+    per_point += policy * ((a.name == "nft" or a.anchor_beta > 0) + (a.name == "awm"))
+    return rollout + images * decode_per_image + images * a.train_timesteps * t.inner_epochs * per_point
 
 
 def build_engine(ctx, cfg):
@@ -151,7 +162,8 @@ def summarize(ctx, cfg, name: str, rows: list[dict], text_len: int, engine) -> d
     """The timed steps' medians (and the best step), MFU from the FLOPs model, the settings."""
     import torch
 
-    from gerl.logging.throughput import flow_grpo_step_flops, mfu, peak_tflops_for, transformer_forward_flops
+    from gerl.logging.throughput import mfu, peak_tflops_for, vae_decode_flops, vae_scale_factor
+    from gerl.models.family import families
 
     m, timed = cfg.model, rows[1:]
     images = len(timed[-1]["rewards"])
@@ -160,14 +172,12 @@ def summarize(ctx, cfg, name: str, rows: list[dict], text_len: int, engine) -> d
     metrics = timed[-1]["metrics"]
     device_name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"
     tflops = peak_tflops_for(device_name, m.dtype, tf32=m.tf32)
-    config = dict(engine.rollout.pipe.transformer.config)
-    if cfg.algo.name == "flow_grpo":
-        flops = flow_grpo_step_flops(config, resolution=m.resolution, text_len=text_len, images=images,
-                                     num_steps=cfg.sampling.num_steps, guidance_scale=cfg.sampling.guidance_scale,
-                                     trained_steps=metrics["trained_steps_per_sample"],
-                                     inner_epochs=cfg.train.inner_epochs, vae_scale_factor=8)["total"]
-    else:
-        flops = transformer_forward_flops(config, m.resolution, text_len) * images * sum(forwards_per_image(cfg))
+    pipe = engine.rollout.pipe
+    config = dict(pipe.transformer.config, _class_name=type(pipe.transformer).__name__)
+    sd3 = families()["sd3"]
+    decode = vae_decode_flops(pipe.vae, sd3, sd3.latent_shape(pipe, m.resolution))
+    flops = step_flops(cfg, config, text_len, images, metrics["trained_steps_per_sample"], decode,
+                       vae_scale_factor(pipe.vae.config))
     step_s = med("step_s")
     return {"recipe": VARIANTS[name][0], "algo": cfg.algo.name, "images": images, "text_len": text_len,
             "settings": step_settings(cfg), "reps": len(timed),

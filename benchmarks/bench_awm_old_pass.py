@@ -44,8 +44,11 @@ def step_forwards(cfg, reuse: bool) -> dict[str, int]:
 
 def step_flops(cfg, reuse: bool) -> dict[str, float]:
     """Transformer matmul FLOPs per step: each forward of `step_forwards` × one sample's forward FLOPs, the policy's
-    × 3 (forward + backward, the dense-training convention of flow_grpo_step_flops)."""
+    × its LoRA training factor (forward + backward without the frozen weights' gradients: ≈ 2.2 here, where the
+    dense convention counted 3; gerl/logging/flops.py). The VAE decode is not part of this comparison."""
+    from gerl.logging.flops import Lora, training_factor
     from gerl.logging.throughput import model_config_for, text_seq_len, transformer_forward_flops
+    from gerl.models.family import families
     from gerl.models.loader import resolve_model_path
 
     # SD3.5-Medium's published configs ship in assets/ (no weights needed to count FLOPs)
@@ -55,9 +58,13 @@ def step_flops(cfg, reuse: bool) -> dict[str, float]:
     if found is None:
         raise SystemExit(f"no transformer config found for model.path={cfg.model.path}")
     config, vae_factor = found
-    f = transformer_forward_flops(config, cfg.model.resolution, text_seq_len(cfg.model.max_sequence_length), 1, vae_factor)
+    m = cfg.model
+    text_len = text_seq_len(m.max_sequence_length)
+    f = transformer_forward_flops(config, m.resolution, text_len, 1, vae_factor)
+    lora = Lora(tuple(m.lora_targets or families()["sd3"].lora_targets), m.lora_rank) if m.lora else None
+    train = training_factor(config, m.resolution, text_len, lora, vae_factor)
     fw = step_forwards(cfg, reuse)
-    out = {k: float(v * f * (3 if k == "policy" else 1)) for k, v in fw.items()}
+    out = {k: float(v * f * (train if k == "policy" else 1)) for k, v in fw.items()}
     out["total"] = sum(out.values())
     return out
 

@@ -101,7 +101,7 @@ from gerl.config import ModelConfig, RewardConfig, SamplingConfig, TrainConfig, 
 from gerl.data.prompts import load_prompts  # noqa: E402
 from gerl.logging.memory import StagePeaks, module_gib, optimizer_state_gib  # noqa: E402
 from gerl.logging.throughput import (  # noqa: E402
-    flow_grpo_step_flops, mfu, peak_memory_gib, peak_tflops_for, text_seq_len,
+    flow_grpo_step_flops, mfu, peak_memory_gib, peak_tflops_for, text_seq_len, vae_decode_flops,
 )
 from gerl.models.family import family_of  # noqa: E402
 from gerl.models.loader import add_lora  # noqa: E402
@@ -712,9 +712,16 @@ def run(args, device: torch.device) -> dict:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     peak = peak_tflops_for(name, args.dtype)
     trained = rows[modes[0]][0]["trained_steps"] if args.steps else len(step_window(ctx, 0))
+    from gerl.logging.flops import Lora
+    from gerl.models.family import families
+
+    sd3 = families()["sd3"]  # the LoRA as attached above: the family's default targets at --lora-rank
     flops = flow_grpo_step_flops(dict(pipe.transformer.config), resolution=args.resolution, text_len=ctx.text_len,
                                  images=images, num_steps=sampling.num_steps, guidance_scale=sampling.guidance_scale,
-                                 trained_steps=trained, inner_epochs=train.inner_epochs, vae_scale_factor=ctx.vae_factor)
+                                 trained_steps=trained, inner_epochs=train.inner_epochs, vae_scale_factor=ctx.vae_factor,
+                                 lora=Lora(sd3.lora_targets, args.lora_rank) if args.lora_rank else None,
+                                 merged_rollout=sampling.merge_lora,
+                                 decode_flops_per_image=vae_decode_flops(pipe.vae, sd3, ctx.latent_shape))
     model = "tiny SD3" if args.tiny else "SD3.5-M architecture (random weights)"
     if args.layers is not None:
         model += f", {args.layers} of 24 blocks"

@@ -217,7 +217,7 @@ def _pipeline_for(args):
 
     if args.lora:
         lora_file(args.lora)  # fail on a bad path before loading the model
-    pipe = load_pipeline(args.model, args.dtype, args.device, args.tiny_seed)
+    pipe = load_pipeline(args.model, args.dtype, args.device, args.tiny_seed, vae_dtype=args.vae_dtype)
     if args.lora:
         load_lora_into_pipeline(pipe, args.lora)
     sampling = SamplingConfig(micro_batch_size=args.batch_size)
@@ -403,6 +403,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resolution", type=int, default=None, help="image side in pixels" + run % "64")
     p.add_argument("--max-sequence-length", type=int, default=None, help="T5 tokens, SD3.5: 256" + run % "32")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--vae-dtype", default="auto", choices=["auto", "fp32", "bf16"],
+                   help="the VAE's decode: auto = bf16 on CUDA, fp32 on a CPU (model.vae_dtype)")
     p.add_argument("--device", default="auto")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)

@@ -43,7 +43,7 @@ BOUND = 0.02  # |planned − measured| / measured, as for SD3
 # operand into an fp32 temporary first (a (1, 64, 256) add: 64 KiB allocated and freed inside the call, 10 % of the
 # checkpointed phase here) where CUDA's TensorIterator casts as it loads
 SCRATCH = KERNELS | {"aten::add"}
-ROLLOUT = ("sampling.num_steps=4", "model.dtype=fp32")  # the rollout checks: 3 recorded steps, fp32
+ROLLOUT = ("sampling.num_steps=4", "model.dtype=fp32", "model.vae_dtype=fp32")  # the rollout checks: 3 recorded steps, fp32
 
 
 def _narrow(family: str) -> dict[str, dict]:
@@ -189,8 +189,8 @@ def test_denoising_matches_the_cpu_allocator(family):
 
 def test_qwenimage_vae_decode_matches_the_cpu_allocator(family):
     """Qwen-Image's 5-D VAE (causal 3-D convolutions, one frame) decoding a micro-batch of 2 through the rollout's own
-    `decode` (fp32, as the loader keeps the VAE), while the micro-batch's conditioning and its recorded trajectory
-    are held, as `generate` holds them, against the plan's VAE decode phase."""
+    `decode` (fp32: model.vae_dtype=fp32, as a CPU run keeps it), while the micro-batch's conditioning and its
+    recorded trajectory are held, as `generate` holds them, against the plan's VAE decode phase."""
     from gerl.models.qwenimage import QwenImage
     from gerl.workers.rollout import decode
 
@@ -237,32 +237,34 @@ def _lora_by_hand(r: int, inner: int, ff: int, double_blocks: int, single_blocks
 @pytest.mark.parametrize("path", list(PUBLISHED))
 def test_full_size_components_have_the_published_parameter_counts(path):
     """Each component a rollout loads, built on the meta device from the shipped configs as the plan builds it, in
-    the dtype the loader gives it (the VAE fp32, the rest bf16): the published parameter counts, and the plan's
+    the dtype the loader gives it on a GPU (bf16, the VAE's by model.vae_dtype=auto): the published parameter counts,
+    and the plan's
     resident weight lines their bytes. The recipes' LoRA (r64 on the family's default targets) by hand: FLUX.1 19
     double + 38 single blocks, Qwen-Image 60 double blocks, width 3072, feed-forward 12288."""
     from gerl.config import ModelConfig
     from gerl.models.family import families
     from gerl.plan.family import family_for
+    from gerl.plan.planner import vae_dtype
     from gerl.plan.work import resident_items
 
+    name = "qwenimage" if "Qwen" in path else "flux"
+    cfg = load_config(RECIPES[name], [f"model.path={path}"])
     fam = family_for(ModelConfig(path=path))
     comps = fam.components("rollout")
     assert fam.components("actor") == ("transformer",) and set(comps) == set(PUBLISHED[path])
-    modules = {c: fam.build(c, torch.bfloat16) for c in comps}
+    assert vae_dtype(cfg) == torch.bfloat16
+    modules = {c: fam.build(c, vae_dtype(cfg) if c == "vae" else torch.bfloat16) for c in comps}
     counts = {c: sum(p.numel() for p in m.parameters()) for c, m in modules.items()}
     assert counts == PUBLISHED[path]
-    assert {c: next(m.parameters()).dtype for c, m in modules.items()} == {
-        c: torch.float32 if c == "vae" else torch.bfloat16 for c in comps}
-    name = "qwenimage" if "Qwen" in path else "flux"
+    assert {c: next(m.parameters()).dtype for c, m in modules.items()} == dict.fromkeys(comps, torch.bfloat16)
     add_lora(modules["transformer"], 64, 128, list(families()[name].lora_targets))
     trained = [p for p in modules["transformer"].parameters() if p.requires_grad]
     blocks = (60, 0) if name == "qwenimage" else (19, 38)
     assert sum(p.numel() for p in trained) == _lora_by_hand(64, 3072, 12288, *blocks)
-    cfg = load_config(RECIPES[name], [f"model.path={path}"])
     lines = resident_items(cfg, fam, modules, trained, trained)
     for c in comps:
         weights = lines[c][0]
         assert weights.name.startswith(fam.label(c)) and "weights" in weights.name
-        size = 4 if c == "vae" else 2
+        size = 2
         # + buffers: CLIP's 77 int64 position ids (616 bytes)
         assert weights.gib * 2**30 == pytest.approx(PUBLISHED[path][c] * size, abs=1024), c

@@ -56,7 +56,7 @@ def build_pipeline(cfg: Config, device: str | None = None, roles: tuple[str, ...
     parts = tuple(dict.fromkeys(c for r in roles for c in ROLE_COMPONENTS[r]))
     device = device or cfg.model.device
     set_matmul_precision(cfg, device)  # before loading: TF32 is a process-wide switch
-    pipe = load_pipeline(cfg.model.path, cfg.model.dtype, device, cfg.model.tiny_seed, parts)
+    pipe = load_pipeline(cfg.model.path, cfg.model.dtype, device, cfg.model.tiny_seed, parts, cfg.model.vae_dtype)
     return prepare_pipeline(pipe, cfg, device)
 
 
@@ -86,12 +86,16 @@ def prepare_pipeline(pipe, cfg: Config, device=None):
 
 def apply_levers(pipe, cfg: Config) -> dict:
     """The speed levers that keep the ratio exact, on the transformer both roles call, in a fixed order (after the
-    adapter; each idempotent, so each role calls it again on a pipeline it was handed): the attention backend, the
-    exact merged LoRA (gerl/models/lora_merge.py), then the compiled blocks (gerl/models/compile.py; nothing
+    adapter; each idempotent, so each role calls it again on a pipeline it was handed): the VAE's dtype and layout
+    (gerl/models/vae.py), the attention backend, the exact merged LoRA (gerl/models/lora_merge.py), then the compiled blocks (gerl/models/compile.py; nothing
     compiles before the first call, so the merged layers are in each block's graph). Returns what compile_transformer
     reports (empty when nothing was compiled now)."""
     m, info = cfg.model, {}
     family = family_of(pipe)
+    if getattr(pipe, "vae", None) is not None:  # model.vae_dtype (load_pipeline applies it too; a pipeline handed in)
+        from gerl.models.vae import prepare_vae, vae_dtype_for
+
+        prepare_vae(pipe.vae, vae_dtype_for(m.vae_dtype, pipe.transformer.device))
     if getattr(pipe.transformer, "_gerl_attention", "sdpa") != m.attention_backend:
         set_attention_backend(pipe.transformer, m.attention_backend, family)
         pipe.transformer._gerl_attention = m.attention_backend

@@ -1,4 +1,4 @@
-"""Throughput, GPU-hour and MFU accounting: pure functions over metrics rows, plus a FLOPs model of the SD3 MMDiT.
+"""Throughput, GPU-hour and MFU accounting: pure functions over metrics rows; the FLOPs model is gerl/logging/flops.py.
 
 Definitions (GeRL's):
     images/s/device     = images generated in the step / (step wall time × devices in use)
@@ -7,7 +7,9 @@ Definitions (GeRL's):
                           between a run and its resumption are not counted, so resumed runs add up correctly)
     GPU-hours to target = GPU-hours at the first validation whose val_reward_mean ≥ target and stays ≥ target for
                           the next hold − 1 validations too
-    MFU                 = transformer matmul FLOPs of the step / (step_s × devices × peak dense FLOP/s)
+    MFU                 = model FLOPs of the step (the transformer's matmuls in rollout and training, LoRA training
+                          without the frozen weights' gradients, and the VAE decode: gerl/logging/flops.py) /
+                          (step_s × devices × peak dense FLOP/s in model.dtype)
 
 A metrics row is one line of RUN_DIR/metrics.jsonl: a dict with "step" and, depending on the step, "images",
 "step_s", "validate_s", "val_reward_mean" (seconds are wall seconds). Rows are taken in file (= step) order.
@@ -23,9 +25,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from gerl.logging.flops import (  # noqa: F401 (the FLOPs model, re-exported for the benchmarks)
+    CLIP_TOKENS, Lora, flow_grpo_step_flops, image_tokens, text_seq_len, transformer_flops_breakdown,
+    transformer_forward_flops, vae_decode_flops,
+)
 from gerl.models.family import TINY_MODELS
-
-CLIP_TOKENS = 77  # SD3 pads the CLIP-L/G hidden states to 77 tokens before concatenating T5's
 
 
 # ------------------------------------------------------------------ rows → throughput and GPU-hours
@@ -74,131 +78,6 @@ def gpu_hours_to_target(rows: Sequence[Mapping], devices: float, target: float, 
         if all(v >= target for _, v in vals[i:i + hold]):
             return vals[i][0]
     return None
-
-
-# ------------------------------------------------------------------ FLOPs model of the SD3 / SD3.5 MMDiT
-
-@dataclass(frozen=True)
-class MMDiTShape:
-    """The sizes of a diffusers SD3Transformer2DModel that set its FLOPs (read from its config)."""
-
-    num_layers: int
-    heads: int
-    head_dim: int
-    joint_attention_dim: int  # width of the text-encoder states fed to the context embedder (T5: 4096)
-    caption_projection_dim: int  # context stream width after the context embedder (= heads × head_dim)
-    pooled_projection_dim: int  # CLIP-L + CLIP-G pooled width (2048)
-    patch_size: int
-    in_channels: int
-    out_channels: int
-    dual_attention_layers: tuple[int, ...]  # SD3.5: blocks with a second, image-only self-attention
-
-    @property
-    def dim(self) -> int:
-        return self.heads * self.head_dim
-
-    @staticmethod
-    def from_config(config: Mapping) -> "MMDiTShape":
-        c = dict(config)
-        return MMDiTShape(
-            num_layers=int(c["num_layers"]), heads=int(c["num_attention_heads"]), head_dim=int(c["attention_head_dim"]),
-            joint_attention_dim=int(c["joint_attention_dim"]), caption_projection_dim=int(c["caption_projection_dim"]),
-            pooled_projection_dim=int(c["pooled_projection_dim"]), patch_size=int(c["patch_size"]),
-            in_channels=int(c["in_channels"]), out_channels=int(c.get("out_channels") or c["in_channels"]),
-            dual_attention_layers=tuple(c.get("dual_attention_layers") or ()),
-        )
-
-
-def text_seq_len(max_sequence_length: int, clip_tokens: int = CLIP_TOKENS) -> int:
-    """Joint-attention text tokens of SD3: CLIP (77, padded) + T5 (max_sequence_length, e.g. 256) = 333."""
-    return clip_tokens + max_sequence_length
-
-
-def image_tokens(shape: MMDiTShape, resolution: int, vae_scale_factor: int = 8) -> int:
-    """Image tokens: (resolution / VAE factor / patch)², e.g. 512 px → 64² latents → 32² = 1024 tokens."""
-    side = resolution // vae_scale_factor // shape.patch_size
-    return side * side
-
-
-def transformer_flops_breakdown(config: Mapping, resolution: int, text_len: int, batch: int = 1,
-                                vae_scale_factor: int = 8) -> dict[str, int]:
-    """Matmul FLOPs (2·m·n·k per matmul) of one forward pass, by component.
-
-    Args:
-        config: the transformer's config (diffusers `transformer.config`, or a plain dict of the same keys).
-        resolution: image side in pixels. text_len: joint-attention text tokens (see `text_seq_len`).
-        batch: samples in the forward (a CFG forward is 2 × images).
-    Counted: patch embedding (a strided conv = a matmul per patch), context embedder, timestep and pooled-text
-    MLPs, per block the adaLN modulation linears, Q/K/V and output projections of both streams, attention
-    scores and attention × V over the joint sequence, both streams' MLPs (4× hidden), the SD3.5 second
-    image-only attention where present; the final adaLN and output projection. Not counted: norms, GELU/SiLU,
-    softmax, residual adds and gating (elementwise, < 1 % here). The last block has no context output
-    projection, context MLP or context adaLN-Zero (diffusers' `context_pre_only`).
-    """
-    s = MMDiTShape.from_config(config)
-    D, N, L = s.dim, image_tokens(s, resolution, vae_scale_factor), text_len
-    S = N + L
-    dual = set(s.dual_attention_layers)
-    f = dict.fromkeys(["embed", "adaln", "qkv", "attention", "attn_out", "mlp", "dual_attention", "final"], 0)
-    f["embed"] = (2 * N * s.in_channels * s.patch_size**2 * D  # patch embedding
-                  + 2 * L * s.joint_attention_dim * s.caption_projection_dim  # context embedder
-                  + 2 * (256 * D + D * D)  # timestep MLP (256 sinusoidal channels)
-                  + 2 * (s.pooled_projection_dim * D + D * D))  # pooled-text MLP
-    for i in range(s.num_layers):
-        last = i == s.num_layers - 1
-        f["adaln"] += 2 * D * (9 if i in dual else 6) * D + 2 * D * (2 if last else 6) * D
-        f["qkv"] += 2 * S * D * 3 * D
-        f["attention"] += 2 * 2 * S * S * D  # QKᵀ and (softmax)·V, all heads: H × head_dim = D
-        f["attn_out"] += 2 * (N if last else S) * D * D
-        f["mlp"] += 2 * 2 * (N if last else S) * D * 4 * D
-        if i in dual:
-            f["dual_attention"] += 2 * N * D * 3 * D + 2 * 2 * N * N * D + 2 * N * D * D
-    f["final"] = 2 * D * 2 * D + 2 * N * D * s.patch_size**2 * s.out_channels
-    return {k: v * batch for k, v in f.items()}
-
-
-def transformer_forward_flops(config: Mapping, resolution: int, text_len: int, batch: int = 1,
-                              vae_scale_factor: int = 8) -> int:
-    """Matmul FLOPs of one transformer forward on `batch` samples (see `transformer_flops_breakdown`).
-
-    SD3.5-Medium at 512 px with 333 text tokens: ≈ 2.5 TFLOP per sample.
-    """
-    return sum(transformer_flops_breakdown(config, resolution, text_len, batch, vae_scale_factor).values())
-
-
-def flow_grpo_step_flops(config: Mapping, *, resolution: int, text_len: int, images: int, num_steps: int,
-                         guidance_scale: float, trained_steps: int, inner_epochs: int = 1, beta: float = 0.0,
-                         recompute_old_log_probs: bool = False, trained_images: int | None = None,
-                         vae_scale_factor: int = 8) -> dict[str, int]:
-    """Transformer FLOPs of one Flow-GRPO(-Fast) step.
-
-    rollout  = images × num_steps forwards (× 2 with CFG: guidance_scale > 1)
-    training = trained_images × trained_steps × inner_epochs × (forward + backward), backward = 2 × forward
-               + trained_images × trained_steps × inner_epochs × forward of the reference when beta > 0
-               + trained_images × trained_steps × forward when recompute_old_log_probs (once, before the epochs)
-    Training replays use CFG too when guidance_scale > 1 (the same `predict_velocity` as the rollout). VAE decoding
-    and text encoders are not counted (text embeddings are cached), so MFU slightly understates the device's work.
-    The 2× backward is the dense-training convention; with LoRA the frozen weights get no weight gradients, so the
-    true backward is closer to 1× and MFU computed from these numbers is an upper-bound convention, comparable
-    across runs, not an exact count.
-
-    Args:
-        trained_steps: denoising steps trained per sample (Flow-GRPO-Fast: the window size).
-        trained_images: samples that were trained on (default: images; fewer when failed rewards were dropped).
-    Returns:
-        {"forward_per_image": F, "rollout": ..., "train": ..., "total": ...}
-    """
-    cfg_mult = 2 if guidance_scale > 1.0 else 1
-    fwd = transformer_forward_flops(config, resolution, text_len, 1, vae_scale_factor) * cfg_mult
-    trained = images if trained_images is None else trained_images
-    rollout = images * num_steps * fwd
-    per_pass = trained * trained_steps * fwd
-    train = per_pass * inner_epochs * 3
-    if beta > 0:
-        train += per_pass * inner_epochs
-    if recompute_old_log_probs:
-        train += per_pass
-    return {"forward_per_image": fwd, "rollout": rollout, "train": train, "total": rollout + train}
 
 
 # ------------------------------------------------------------------ MFU and device peaks
@@ -261,13 +140,17 @@ class StepFlopsModel:
     inner_epochs: int
     beta: float
     recompute_old_log_probs: bool
+    lora: Lora | None = None  # the trained adapter; None: full fine-tuning
+    merged_rollout: bool = False  # sampling.merge_lora: the rollout runs merged weights, no adapter matmuls
+    decode_flops_per_image: int = 0  # the VAE decode of one image (`vae_decode_flops`)
 
     def step_flops(self, images: int, trained_images: int, trained_steps: int, text_len: int) -> int:
         return flow_grpo_step_flops(
             self.transformer_config, resolution=self.resolution, text_len=text_len, images=images,
             num_steps=self.num_steps, guidance_scale=self.guidance_scale, trained_steps=trained_steps,
             inner_epochs=self.inner_epochs, beta=self.beta, recompute_old_log_probs=self.recompute_old_log_probs,
-            trained_images=trained_images, vae_scale_factor=self.vae_scale_factor)["total"]
+            trained_images=trained_images, vae_scale_factor=self.vae_scale_factor, lora=self.lora,
+            merged_rollout=self.merged_rollout, decode_flops_per_image=self.decode_flops_per_image)["total"]
 
 
 class ThroughputTracker:
@@ -341,36 +224,82 @@ class ThroughputTracker:
         return out
 
 
-MMDIT_CLASS = "SD3Transformer2DModel"
+@dataclass
+class ModelConfigs:
+    """The configs the FLOPs model reads: the transformer's, the VAE's (a dict, or the loaded VAE module), the VAE's
+    pixels per latent side, and the model family's name."""
+
+    transformer: dict
+    vae: object
+    vae_scale_factor: int
+    family: str
 
 
-def model_config_for(model_path: str, pipe=None) -> tuple[dict, int] | None:
-    """(transformer config, VAE scale factor) from a loaded pipeline, else from model_path's transformer/ and vae/
-    config.json (a local directory or the local Hugging Face cache; nothing is downloaded). None when neither is
-    available (e.g. model.path=tiny without a pipeline), and for a transformer that is not SD3's MMDiT (the FLOPs
-    model counts that architecture only: a FLUX.1 run logs mfu null)."""
-    if pipe is not None:
-        if type(pipe.transformer).__name__ != MMDIT_CLASS:
-            return None
-        return dict(pipe.transformer.config), 2 ** (len(pipe.vae.config.block_out_channels) - 1)
+def vae_scale_factor(vae_config) -> int:
+    """Pixels per latent side: AutoencoderKL 2^(len(block_out_channels) − 1) (8 for SD3's and FLUX.1's), Qwen-Image's
+    video VAE 2^len(temperal_downsample) (8), as the stock pipelines compute it."""
+    get = vae_config.get if isinstance(vae_config, Mapping) else lambda k: getattr(vae_config, k, None)
+    if get("temperal_downsample") is not None:
+        return 2 ** len(get("temperal_downsample"))
+    return 2 ** (len(get("block_out_channels")) - 1)
+
+
+def model_configs(model_path: str, pipe=None) -> ModelConfigs | None:
+    """The FLOPs model's configs from a loaded pipeline, else from model_path's transformer/ and vae/ config.json (a
+    local directory or the local Hugging Face cache; nothing is downloaded). None when neither is available (e.g.
+    model.path=tiny without a pipeline) or the transformer is of a family gerl does not count."""
+    from gerl.logging.flops import family_of_config
+
+    if pipe is not None and getattr(pipe, "vae", None) is not None:
+        t = dict(pipe.transformer.config, _class_name=type(pipe.transformer).__name__)
+        return ModelConfigs(t, pipe.vae, vae_scale_factor(pipe.vae.config), family_of_config(t))
     if model_path in TINY_MODELS:  # built in code, no configs on disk (and no ~4 s diffusers import to find that out)
         return None
     local = Path(model_path)
     if (local / "transformer" / "config.json").is_file() and (local / "vae" / "config.json").is_file():
         t, v = (json.loads((local / c / "config.json").read_text()) for c in ("transformer", "vae"))
-        if t.get("_class_name", MMDIT_CLASS) != MMDIT_CLASS:
-            return None
-        return t, 2 ** (len(v["block_out_channels"]) - 1)
-    try:  # a hub id: its configs in the local Hugging Face cache
-        from diffusers import AutoencoderKL, SD3Transformer2DModel
+    else:
+        try:  # a hub id: its configs in the local Hugging Face cache (load_config reads any class's config)
+            from diffusers import AutoencoderKL
 
-        t = SD3Transformer2DModel.load_config(model_path, subfolder="transformer", local_files_only=True)
-        v = AutoencoderKL.load_config(model_path, subfolder="vae", local_files_only=True)
-    except (OSError, ValueError):
+            t = dict(AutoencoderKL.load_config(model_path, subfolder="transformer", local_files_only=True))
+            v = dict(AutoencoderKL.load_config(model_path, subfolder="vae", local_files_only=True))
+        except (OSError, ValueError):
+            return None
+    try:
+        return ModelConfigs(t, v, vae_scale_factor(v), family_of_config(t))
+    except (ValueError, KeyError, TypeError):
         return None
-    if t.get("_class_name", MMDIT_CLASS) != MMDIT_CLASS:
-        return None
-    return dict(t), 2 ** (len(v["block_out_channels"]) - 1)
+
+
+def model_config_for(model_path: str, pipe=None) -> tuple[dict, int] | None:
+    """(transformer config, VAE scale factor) of `model_configs`, or None."""
+    found = model_configs(model_path, pipe)
+    return None if found is None else (found.transformer, found.vae_scale_factor)
+
+
+def flops_model_for(cfg, found: ModelConfigs) -> StepFlopsModel:
+    """The step's FLOPs model for a run of `cfg`: its adapter (model.lora_targets, else the family's default targets,
+    at model.lora_rank), whether the rollout merges it, and one image's VAE decode counted on the meta device."""
+    from types import SimpleNamespace
+
+    from gerl.models.family import families
+
+    family = families()[found.family]
+    m, s, t = cfg.model, cfg.sampling, cfg.train
+    lora = Lora(tuple(m.lora_targets or family.lora_targets), m.lora_rank) if m.lora else None
+    vae_config = found.vae.config if hasattr(found.vae, "config") else SimpleNamespace(**found.vae)
+    view = SimpleNamespace(transformer=SimpleNamespace(config=SimpleNamespace(**found.transformer)),
+                           vae=SimpleNamespace(config=vae_config))
+    latent = family.latent_shape(view, m.resolution)
+    try:
+        decode = vae_decode_flops(found.vae, family, latent)
+    except Exception as e:  # noqa: BLE001 — a VAE the meta device cannot run: MFU without it, said once
+        print(f"gerl: warning: the VAE decode's FLOPs could not be counted ({type(e).__name__}: "
+              f"{str(e).splitlines()[0][:160] if str(e) else ''}); mfu leaves it out", file=sys.stderr)
+        decode = 0
+    return StepFlopsModel(found.transformer, found.vae_scale_factor, m.resolution, s.num_steps, s.guidance_scale,
+                          t.inner_epochs, t.beta, t.recompute_old_log_probs, lora, s.merge_lora, decode)
 
 
 def tracker_for(cfg, devices: float = 1, pipe=None, device_name: str | None = None) -> ThroughputTracker:
@@ -390,12 +319,8 @@ def tracker_for(cfg, devices: float = 1, pipe=None, device_name: str | None = No
                                tf32=torch.get_float32_matmul_precision() != "highest")
     from gerl.models.loader import resolve_model_path
 
-    found = model_config_for(resolve_model_path(cfg.model.path), pipe)
-    flops = None
-    if found is not None:
-        s, t = cfg.sampling, cfg.train
-        flops = StepFlopsModel(found[0], found[1], cfg.model.resolution, s.num_steps, s.guidance_scale,
-                               t.inner_epochs, t.beta, t.recompute_old_log_probs)
+    found = model_configs(resolve_model_path(cfg.model.path), pipe)
+    flops = flops_model_for(cfg, found) if found is not None else None
     # A CPU device is a Ray worker's pinned cores, or this process's torch threads with the local engine.
     from gerl.config import host_cpus
 

@@ -69,22 +69,29 @@ def model_family(path: str, local_files_only: bool = True):
 
 
 def load_pipeline(path: str, dtype: str = "fp32", device: str = "auto", tiny_seed: int = 0,
-                  components: tuple[str, ...] = WEIGHTED_COMPONENTS):
+                  components: tuple[str, ...] = WEIGHTED_COMPONENTS, vae_dtype: str = "auto"):
     """The pipeline of model `path`: a tiny offline model ("tiny", "tiny-flux", ...), a shipped model ("ocr-mini"),
     a local diffusers directory, or a hub id (from the local HF cache or downloaded), loaded with its family's
     pipeline class. Errors name the path and what to do.
 
     components: the weighted parts to load (the rest, and the tokenizers of text encoders left out, are None).
-    The transformer and text encoders take `dtype`; the VAE always decodes in fp32 (its config asks for
-    force_upcast, and both Flow-GRPO and GeRL keep it there: in fp16 its decoder overflows)."""
+    The transformer and text encoders take `dtype`; the VAE takes `vae_dtype` (model.vae_dtype: auto = bf16 on
+    CUDA, fp32 elsewhere; never fp16, whose range its decoder overflows; gerl/models/vae.py)."""
     from gerl.logging.quiet import quiet_imported
     from gerl.models.family import TINY_MODELS
 
     quiet_imported()  # its loading bar off, when this process asked for quiet (gerl's CLI and hosts do)
+    from gerl.models.vae import VAE_DTYPES, prepare_vae, vae_dtype_for
+
     if dtype not in DTYPES:
         raise UserError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if vae_dtype != "auto" and vae_dtype not in VAE_DTYPES:
+        raise UserError(f"unknown VAE dtype {vae_dtype!r}; choose auto, {' or '.join(VAE_DTYPES)} (fp16 overflows "
+                        "to NaN in the VAE's decoder)")
     family = model_family(path, local_files_only=False)  # the bad-input errors, before any weights load
     path = resolve_model_path(path)
+    target = resolve_device(device)
+    vae_dt = vae_dtype_for(vae_dtype, target)
     skipped = {name: None for name in family.components if name not in components}
     skipped.update({family.tokenizers[name]: None for name in skipped if name in family.tokenizers})
     if path in TINY_MODELS:
@@ -93,17 +100,21 @@ def load_pipeline(path: str, dtype: str = "fp32", device: str = "auto", tiny_see
             setattr(pipe, name, None)
     else:
         try:
-            pipe = family.pipeline_cls().from_pretrained(path, torch_dtype=DTYPES[dtype], **skipped)
+            # the VAE loads in its own dtype: read in the model's (fp16) and cast back, its weights would be rounded
+            pipe = family.pipeline_cls().from_pretrained(path, torch_dtype={"default": DTYPES[dtype], "vae": vae_dt},
+                                                         **skipped)
         except OSError as e:
             raise UserError(f"cannot load {path} ({str(e).splitlines()[0][:200]}); pass a complete diffusers "
                             f"directory, or run `hf download {path}` where there is network") from None
-    pipe.to(resolve_device(device), DTYPES[dtype])
-    if pipe.vae is not None:
-        pipe.vae.to(torch.float32)
+    pipe.to(target)
     pipe.set_progress_bar_config(disable=True)
     for name in family.components:
         m = getattr(pipe, name, None)
         if m is not None:
+            if name == "vae":
+                prepare_vae(m, vae_dt)
+            else:
+                m.to(DTYPES[dtype])
             m.requires_grad_(False)
             m.eval()
     return pipe

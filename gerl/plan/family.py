@@ -21,6 +21,7 @@ import torch
 from gerl.config import ModelConfig
 from gerl.errors import UserError
 from gerl.models.loader import ROLE_COMPONENTS
+from gerl.models.vae import to_uint8
 from gerl.plan.arch import Architecture, architecture
 
 
@@ -34,7 +35,8 @@ class PlanFamily(Protocol):
         """A part's name in the table ("T5 encoder")."""
 
     def build(self, component: str, dtype: torch.dtype) -> torch.nn.Module:
-        """`component` on the meta device in the dtype the loader gives it when the model runs in `dtype`."""
+        """`component` on the meta device in `dtype` (the planner passes model.dtype, and the VAE's own dtype for
+        the VAE: `gerl.plan.planner.vae_dtype`)."""
 
     def latent(self, resolution: int, transformer: torch.nn.Module) -> tuple[int, ...]:
         """One sample's latent shape (fp32), or a UserError naming a resolution the model cannot take."""
@@ -88,7 +90,7 @@ FAMILIES: dict[str, Callable[[Architecture, ModelConfig], PlanFamily]] = {
 @dataclass
 class ArchPlan:
     """What every plan family holds the same way: the published configs (`arch`), a label per component, and each
-    component built on the meta device in the model's dtype, the VAE in fp32 (as gerl.models.loader loads it)."""
+    component built on the meta device in the dtype the planner asks for."""
     arch: Architecture
     labels: ClassVar[dict[str, str]] = {}
 
@@ -100,7 +102,7 @@ class ArchPlan:
         return self.labels[component]
 
     def build(self, component: str, dtype: torch.dtype) -> torch.nn.Module:
-        return self.arch.build_meta(component, torch.float32 if component == "vae" else dtype)
+        return self.arch.build_meta(component, dtype)
 
 
 @dataclass
@@ -135,7 +137,7 @@ def rollout_decode(model_family, vae, latents: torch.Tensor) -> None:
     with torch.no_grad():
         x = model_family.decode(vae, latents).float()
         (~torch.isfinite(x.flatten(1))).any(1).sum()
-        ((x / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).contiguous()
+        to_uint8(x).contiguous()
 
 
 def transformer_class(arch: Architecture) -> str:

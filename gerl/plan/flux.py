@@ -4,8 +4,8 @@ The model's own work runs through gerl/models/flux.py on fake tensors: the laten
 into tokens, the position ids, dev's guidance embedding, the unpacking) and the decode. Text: CLIP-L on 77 tokens
 (its position table; FluxPipeline pads to it) gives the pooled vector only, T5 on model.max_sequence_length gives the
 sequence: a micro-batch carries (b, Lt, 4096) and (b, 768) in model.dtype, and no negative branch whatever the
-guidance (dev's guidance is an input of the one forward; schnell has none). The VAE stays fp32 (the loader keeps it
-there).
+guidance (dev's guidance is an input of the one forward; schnell has none). The VAE is in model.vae_dtype (bf16 on the GPU a
+plan sizes, unless set).
 """
 
 from __future__ import annotations

@@ -178,6 +178,16 @@ def card_fits(role: RolePlan, gradient_checkpointing: bool) -> list[CardFit]:
     return out
 
 
+def vae_dtype(cfg: Config) -> torch.dtype:
+    """The VAE's dtype in the run the plan sizes: model.vae_dtype, with auto resolved for a GPU (bf16) unless the
+    run is set to a CPU (model.device=cpu, or engine.device=cpu for Ray hosts)."""
+    from gerl.models.vae import vae_dtype_for
+
+    g = cfg.engine
+    cpu = cfg.model.device == "cpu" or (g.kind == "ray" and g.device == "cpu")
+    return vae_dtype_for(cfg.model.vae_dtype, "cpu" if cpu else "cuda")
+
+
 def plan_for_config(cfg: Config, awm_old_forward: bool | None = None, card: str | None = DEFAULT_CARD) -> MemoryPlan:
     """The memory plan of a validated config (gerl.config.load_config). Builds nothing on a device: seconds on a CPU.
 
@@ -191,7 +201,7 @@ def plan_for_config(cfg: Config, awm_old_forward: bool | None = None, card: str 
     roles = role_names(cfg)
     dtype = DTYPES[m.dtype]
     parts = tuple(dict.fromkeys(c for r in roles for c in fam.components("rollout" if r == "hybrid" else r)))
-    modules = {c: fam.build(c, dtype) for c in parts}
+    modules = {c: fam.build(c, vae_dtype(cfg) if c == "vae" else dtype) for c in parts}
     tr = modules["transformer"]
     if m.lora:
         add_lora(tr, m.lora_rank, m.lora_alpha, m.lora_targets)  # the real adapter: fp32, on the meta device

@@ -10,7 +10,7 @@ none padded (no mask: a padded batch adds a (b, L) mask and an attention mask ov
 and leaves the attention's saved tensors as they are). The negative prompt " " keeps NEGATIVE_TOKENS. The text
 encoder, Qwen2.5-VL, runs on the chat template's PROMPT_DROP_IDX tokens plus the prompt's and is held whole (its
 vision tower and LM head too: the loader loads the class), though text-to-image reads only its language model's last
-hidden state. The VAE stays fp32 (the loader keeps it there).
+hidden state. The VAE is in model.vae_dtype (bf16 on a GPU, unless set).
 """
 
 from __future__ import annotations

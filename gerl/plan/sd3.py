@@ -2,8 +2,8 @@
 
 Text: CLIP-L and CLIP-G on 77 tokens (the CLIP position table; the pipeline pads to it) and T5 on
 model.max_sequence_length, joined into (b, 77 + Lt, 4096) prompt embeddings and (b, 2048) pooled ones. Latent:
-16 × (resolution / 8)², patched 2 × 2 by the transformer. The VAE stays fp32 whatever model.dtype (the loader keeps
-it there: in fp16 its decoder overflows).
+16 × (resolution / 8)², patched 2 × 2 by the transformer. The VAE is in model.vae_dtype whatever model.dtype (bf16 on
+the GPU a plan sizes, unless set; never fp16, in which its decoder overflows).
 """
 
 from __future__ import annotations

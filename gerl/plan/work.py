@@ -193,6 +193,7 @@ def _rollout_phases(cfg: Config, role: str, modules: dict, w: phases.Work, st: S
     smp, where = cfg.sampling, swaps(cfg, role)
     tr, vae = modules["transformer"], modules["vae"]
     encoders = {c: m for c, m in modules.items() if c not in ("transformer", "vae")}
+    vae_dt = DTYPE_NAMES.get(next(vae.parameters()).dtype, "?")
     gen = (st.trained, st.anchor) if "generation" in where else None
     val = (st.trained, st.shadow) if "validation" in where else None
     held = ", anchor swapped in" if gen else ""
@@ -203,7 +204,7 @@ def _rollout_phases(cfg: Config, role: str, modules: dict, w: phases.Work, st: S
             lambda b: phases.text_encode(encoders, b, w, gen), None),
            (f"denoising forward ({guide}no grad{held})", SAMPLE,
             lambda b: phases.denoise_step(tr, b, w, smp.guidance_scale, recorded, gen), None),
-           (f"VAE decode (fp32{held})", SAMPLE,
+           (f"VAE decode ({vae_dt}{held})", SAMPLE,
             lambda b: phases.vae_decode(vae, b, w, smp.guidance_scale, recorded, gen), None)]
     if cfg.validation.every == -1:
         return out
@@ -216,6 +217,6 @@ def _rollout_phases(cfg: Config, role: str, modules: dict, w: phases.Work, st: S
     if val:
         out += [("validation text encoders (EMA swapped in)", SAMPLE,
                  lambda b: phases.text_encode(encoders, b, w, val), None),
-                ("validation VAE decode (fp32, EMA swapped in)", SAMPLE,
+                (f"validation VAE decode ({vae_dt}, EMA swapped in)", SAMPLE,
                  lambda b: phases.vae_decode(vae, b, w, smp.eval_guidance_scale, 0, val), None)]
     return out

@@ -11,6 +11,7 @@ from PIL import Image
 
 from gerl.config import SamplingConfig
 from gerl.models.family import families, family_of
+from gerl.models.vae import to_uint8
 from gerl.sampling.loop import Embeds, Schedule, Trajectory, denoise, sde_window
 from gerl.workers.batch import RolloutBatch
 
@@ -44,15 +45,16 @@ def group_seed(seed: int, step: int, group_id: int) -> int:
 @torch.no_grad()
 def decode(vae, latents: torch.Tensor, family=None) -> list[Image.Image]:
     """Canonical latents (B, C, h, w) → PIL images through the model family's VAE decoding (default: SD3's, the
-    scaling and shift factors), in the VAE's own dtype (fp32: the loader keeps it there, as both peers do and as
-    its config's force_upcast asks; in fp16 its decoder overflows to NaN, and a NaN image would become a black
-    image scoring ~0 without a word — so a non-finite decode is reported on stderr)."""
+    scaling and shift factors), in the VAE's own dtype and memory format (model.vae_dtype, as the loader prepared
+    it: bf16 and channels_last on CUDA, fp32 on a CPU; gerl/models/vae.py). Never fp16: its decoder overflows to
+    NaN there, and a NaN image would become a black image scoring ~0 without a word — so a non-finite decode is
+    reported on stderr."""
     x = (family or families()["sd3"]).decode(vae, latents).float()
     bad = int((~torch.isfinite(x.flatten(1))).any(1).sum())
     if bad:
         print(f"gerl: warning: the VAE decoded {bad} of {len(x)} images with NaN/inf values (VAE dtype {vae.dtype}); "
               "they become black images and score as such", file=sys.stderr)
-    x = ((x / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+    x = to_uint8(x).cpu().numpy()
     return [Image.fromarray(np.ascontiguousarray(a)) for a in x]
 
 

@@ -145,19 +145,34 @@ def test_sd35_medium_forward_flops_and_text_length():
 
 
 def test_step_flops_arithmetic():
+    """How a step composes the per-sample counts (each held against FlopCounterMode in tests/logging/test_flops.py):
+    rollout forwards, training passes (forward + backward), the reference's and the recompute's forwards, decode."""
+    from gerl.logging.flops import Lora, backward_flops, forward_flops, transformer_ops
+
     cfg = dict(num_layers=2, num_attention_heads=2, attention_head_dim=16, joint_attention_dim=64,
                caption_projection_dim=32, pooled_projection_dim=64, patch_size=2, in_channels=16)
+    ops = transformer_ops(cfg, 64, 64, vae_scale_factor=4)
     F = transformer_forward_flops(cfg, 64, 64, vae_scale_factor=4)
+    assert F == forward_flops(ops)
     kw = dict(resolution=64, text_len=64, images=8, num_steps=10, trained_steps=3, vae_scale_factor=4)
+    full = F + backward_flops(ops)  # fully fine-tuned: ≈ 3 F
+    assert 2.9 * F < full <= 3 * F
     base = flow_grpo_step_flops(cfg, guidance_scale=1.0, **kw)
-    assert base["rollout"] == 8 * 10 * F
-    assert base["train"] == 8 * 3 * 3 * F  # forward + 2× backward
+    assert base["rollout"] == 8 * 10 * F and base["decode"] == 0
+    assert base["train"] == 8 * 3 * full
     assert base["total"] == base["rollout"] + base["train"]
     cfg_guided = flow_grpo_step_flops(cfg, guidance_scale=4.5, **kw)
     assert cfg_guided["total"] == 2 * base["total"]
     extra = flow_grpo_step_flops(cfg, guidance_scale=1.0, inner_epochs=2, beta=0.04, recompute_old_log_probs=True,
                                  trained_images=6, **kw)
-    assert extra["train"] == 6 * 3 * F * (2 * 3 + 2 * 1 + 1)  # epochs × (fwd+bwd) + epochs × ref fwd + one recompute
+    assert extra["train"] == 6 * 3 * (2 * full + 2 * F + F)  # epochs × (fwd+bwd) + epochs × ref fwd + one recompute
+    lora = Lora(("to_q", "to_k", "to_v"), 4)
+    policy = forward_flops(ops, lora)  # the unmerged adapter's matmuls too
+    adapted = flow_grpo_step_flops(cfg, guidance_scale=1.0, lora=lora, decode_flops_per_image=1000, **kw)
+    assert adapted["rollout"] == 8 * 10 * policy and adapted["decode"] == 8 * 1000
+    assert adapted["train"] == 8 * 3 * (policy + backward_flops(ops, lora)) < base["train"]
+    merged = flow_grpo_step_flops(cfg, guidance_scale=1.0, lora=lora, merged_rollout=True, **kw)
+    assert merged["rollout"] == base["rollout"] and merged["train"] == adapted["train"]
 
 
 def test_mfu_and_peaks():
@@ -211,8 +226,37 @@ def test_model_config_for_reads_a_directory_as_diffusers_does(tiny_pipe, tiny_di
 
     from gerl.logging.throughput import model_config_for
 
+    MMDIT = "SD3Transformer2DModel"
     config, factor = model_config_for(str(tiny_dir))
     assert config == dict(SD3Transformer2DModel.load_config(str(tiny_dir), subfolder="transformer"))
     assert factor == 2 ** (len(AutoencoderKL.load_config(str(tiny_dir), subfolder="vae")["block_out_channels"]) - 1) == 4
-    assert model_config_for("tiny", tiny_pipe) == (dict(tiny_pipe.transformer.config), 4)
+    assert model_config_for("tiny", tiny_pipe) == (dict(tiny_pipe.transformer.config, _class_name=MMDIT), 4)
     assert model_config_for("tiny") is None and model_config_for(str(tmp_path)) is None
+
+
+@pytest.mark.parametrize("path", ["tiny", "tiny-flux", "tiny-qwenimage"])
+def test_every_family_logs_mfu(path):
+    """The trainer's tracker counts FLUX.1's and Qwen-Image's steps as SD3's (they logged mfu null before): the
+    step's model FLOPs — LoRA training, the unmerged adapter in the rollout, one VAE decode per image — over the
+    step's seconds and the peak."""
+    from gerl.config import load_config
+    from gerl.logging.flops import Lora
+    from gerl.logging.throughput import tracker_for, vae_decode_flops
+    from gerl.models.family import TINY_MODELS, families
+
+    family = families()[TINY_MODELS[path][0]]
+    pipe = family.build_tiny(0, TINY_MODELS[path][1])
+    cfg = load_config("recipes/tiny_cpu.yaml", [f"model.path={path}", "metrics.peak_tflops=1e-3"])
+    tracker = tracker_for(cfg, 1, pipe)
+    flops = tracker.flops
+    assert flops.lora == Lora(tuple(cfg.model.lora_targets or family.lora_targets), cfg.model.lora_rank)
+    latent = family.latent_shape(pipe, cfg.model.resolution)
+    assert flops.decode_flops_per_image == vae_decode_flops(pipe.vae, family, latent) > 0
+    row = {"step": 1, "images": 16, "step_s": 2.0, "trained_steps_per_sample": 3}
+    expected = flow_grpo_step_flops(
+        dict(pipe.transformer.config, _class_name=type(pipe.transformer).__name__), resolution=cfg.model.resolution,
+        text_len=8, images=16, num_steps=cfg.sampling.num_steps, guidance_scale=cfg.sampling.guidance_scale,
+        trained_steps=3, inner_epochs=cfg.train.inner_epochs, beta=cfg.train.beta, vae_scale_factor=flops.vae_scale_factor,
+        recompute_old_log_probs=cfg.train.recompute_old_log_probs, lora=flops.lora,
+        merged_rollout=cfg.sampling.merge_lora, decode_flops_per_image=flops.decode_flops_per_image)["total"]
+    assert tracker.update(row, text_len=8)["mfu"] == pytest.approx(expected / (2.0 * 1e9))
