@@ -720,7 +720,7 @@ def run(args, device: torch.device) -> dict:
                                  images=images, num_steps=sampling.num_steps, guidance_scale=sampling.guidance_scale,
                                  trained_steps=trained, inner_epochs=train.inner_epochs, vae_scale_factor=ctx.vae_factor,
                                  lora=Lora(sd3.lora_targets, args.lora_rank) if args.lora_rank else None,
-                                 merged_rollout=sampling.merge_lora,
+                                 merged_rollout=getattr(ctx, "merge_lora", False),
                                  decode_flops_per_image=vae_decode_flops(pipe.vae, sd3, ctx.latent_shape))
     model = "tiny SD3" if args.tiny else "SD3.5-M architecture (random weights)"
     if args.layers is not None:

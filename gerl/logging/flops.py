@@ -330,7 +330,7 @@ def flow_grpo_step_flops(config: Mapping, *, resolution: int, text_len: int, ima
     """Model FLOPs of one Flow-GRPO(-Fast) step.
 
     rollout  = images × num_steps forwards (× 2 with CFG: guidance_scale > 1), the unmerged adapter's matmuls
-               included unless `merged_rollout` (sampling.merge_lora: one merged weight per Linear)
+               included unless `merged_rollout` (model.merge_lora: one merged weight per Linear)
     decode   = images × decode_flops_per_image (the VAE: `vae_decode_flops`)
     training = trained_images × trained_steps × inner_epochs × (forward + backward) of the policy, as
                `backward_flops` counts it for `lora` (None: full fine-tuning)

@@ -141,7 +141,7 @@ class StepFlopsModel:
     beta: float
     recompute_old_log_probs: bool
     lora: Lora | None = None  # the trained adapter; None: full fine-tuning
-    merged_rollout: bool = False  # sampling.merge_lora: the rollout runs merged weights, no adapter matmuls
+    merged_rollout: bool = False  # model.merge_lora: the rollout runs merged weights, no adapter matmuls
     decode_flops_per_image: int = 0  # the VAE decode of one image (`vae_decode_flops`)
 
     def step_flops(self, images: int, trained_images: int, trained_steps: int, text_len: int) -> int:
@@ -299,7 +299,7 @@ def flops_model_for(cfg, found: ModelConfigs) -> StepFlopsModel:
               f"{str(e).splitlines()[0][:160] if str(e) else ''}); mfu leaves it out", file=sys.stderr)
         decode = 0
     return StepFlopsModel(found.transformer, found.vae_scale_factor, m.resolution, s.num_steps, s.guidance_scale,
-                          t.inner_epochs, t.beta, t.recompute_old_log_probs, lora, s.merge_lora, decode)
+                          t.inner_epochs, t.beta, t.recompute_old_log_probs, lora, cfg.model.merge_lora, decode)
 
 
 def tracker_for(cfg, devices: float = 1, pipe=None, device_name: str | None = None) -> ThroughputTracker:
