@@ -258,5 +258,5 @@ def test_every_family_logs_mfu(path):
         text_len=8, images=16, num_steps=cfg.sampling.num_steps, guidance_scale=cfg.sampling.guidance_scale,
         trained_steps=3, inner_epochs=cfg.train.inner_epochs, beta=cfg.train.beta, vae_scale_factor=flops.vae_scale_factor,
         recompute_old_log_probs=cfg.train.recompute_old_log_probs, lora=flops.lora,
-        merged_rollout=cfg.sampling.merge_lora, decode_flops_per_image=flops.decode_flops_per_image)["total"]
+        merged_rollout=cfg.model.merge_lora, decode_flops_per_image=flops.decode_flops_per_image)["total"]
     assert tracker.update(row, text_len=8)["mfu"] == pytest.approx(expected / (2.0 * 1e9))
