@@ -22,7 +22,8 @@ limit to (block structures of a class) × that bound, explicitly, and makes reac
 changes every call (a bug) stops the run instead of silently falling back to eager blocks, which would break the
 "same graph on both sides" that keeps the ratio exact.
 
-`CompileWatch` counts what compiled inside a `with` block (graphs, graph breaks, recompilations, seconds); the roles
+`CompileWatch` counts what compiled inside a `with` block (graphs — after warm-up each one a recompilation —, graph
+breaks, seconds); the roles
 log the per-step deltas as rollout_/actor_compile_s and _graphs_compiled (non-zero in the first step, zero after
 warm-up), and benchmarks call both functions directly.
 """
