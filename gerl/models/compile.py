@@ -23,9 +23,8 @@ changes every call (a bug) stops the run instead of silently falling back to eag
 "same graph on both sides" that keeps the ratio exact.
 
 `CompileWatch` counts what compiled inside a `with` block (graphs — after warm-up each one a recompilation —, graph
-breaks, seconds); the roles
-log the per-step deltas as rollout_/actor_compile_s and _graphs_compiled (non-zero in the first step, zero after
-warm-up), and benchmarks call both functions directly.
+breaks, seconds); the roles log the per-step deltas as rollout_/actor_compile_s and _graphs_compiled (non-zero in the
+first step, zero after warm-up), and benchmarks call both functions directly.
 """
 
 from __future__ import annotations
