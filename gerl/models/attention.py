@@ -127,7 +127,8 @@ def set_attention_backend(transformer, name: str, family=None) -> str:
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise UserError(f"{where} ({first}); it needs {NEEDS[name]}: fix that or set model.attention_backend=sdpa") \
             from None
-    missed = [n for n, p in attention_processors(transformer).items() if getattr(p, "_attention_backend", None) != backend]
+    missed = [n for n, p in attention_processors(transformer).items()
+              if getattr(p, "_attention_backend", None) != backend]
     if missed:  # a processor that calls its own attention: the backend would be half applied
         raise UserError(f"{where}: the {family.title} attention {missed[0]} does not call diffusers' dispatcher; use "
                         "model.attention_backend=sdpa")

@@ -22,13 +22,14 @@ limit to (block structures of a class) × that bound, explicitly, and makes reac
 changes every call (a bug) stops the run instead of silently falling back to eager blocks, which would break the
 "same graph on both sides" that keeps the ratio exact.
 
-`CompileWatch` counts what compiled inside a `with` block (graphs, graph breaks, recompilations, seconds); the roles
-log the per-step deltas as rollout_/actor_compile_s and _graphs_compiled (non-zero in the first step, zero after
-warm-up), and benchmarks call both functions directly.
+`CompileWatch` counts what compiled inside a `with` block (graphs — after warm-up each one a recompilation —, graph
+breaks, seconds); the roles log the per-step deltas as rollout_/actor_compile_s and _graphs_compiled (non-zero in the
+first step, zero after warm-up), and benchmarks call both functions directly.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -152,13 +153,15 @@ class CompileWatch:
 
 
 _reported = {"graphs": 0, "compile_s": 0.0}  # what take_compile_metrics has handed out in this process
+_reported_lock = threading.Lock()  # the streaming schedule's rollout threads and the actor report concurrently
 
 
 def take_compile_metrics(role: str) -> dict[str, float]:
     """{role}_compile_s and {role}_graphs_compiled since the last call in this process (whichever role called): the
     rollout and the actor of a hybrid host share one process and its counters, and each compile is logged once."""
-    now = compile_totals()
-    out = {f"{role}_compile_s": now["compile_s"] - _reported["compile_s"],
-           f"{role}_graphs_compiled": int(now["graphs"] - _reported["graphs"])}
-    _reported.update(graphs=now["graphs"], compile_s=now["compile_s"])
+    with _reported_lock:
+        now = compile_totals()
+        out = {f"{role}_compile_s": now["compile_s"] - _reported["compile_s"],
+               f"{role}_graphs_compiled": int(now["graphs"] - _reported["graphs"])}
+        _reported.update(graphs=now["graphs"], compile_s=now["compile_s"])
     return out

@@ -182,6 +182,16 @@ def test_build_pipeline_compiles_after_the_adapter_is_attached():
     assert build_pipeline(Config(), roles=("actor",)).transformer.transformer_blocks[0]._compiled_call_impl is None
 
 
+def test_the_frozen_reference_of_full_fine_tuning_is_compiled_too(tiny_pipe):
+    """A deep copy drops the compiled blocks (Module.__getstate__): the KL reference of full fine-tuning would run
+    eager beside a compiled policy unless the actor compiles it."""
+    tr = copy.deepcopy(tiny_pipe.transformer)
+    compile_transformer(tr, variants=None, backend="eager")
+    model = ModelConfig(lora=False, compile=True)
+    actor = ActorWorker(tr, TrainConfig(beta=0.01), model, SAMPLING, max_steps=1, images_per_step=4, seed=0)
+    assert actor.ref is not tr and all(b._compiled_call_impl is not None for b in actor.ref.transformer_blocks)
+
+
 def test_a_family_whose_shapes_change_per_batch_is_refused():
     from gerl.errors import UserError
     from gerl.models.family import families
