@@ -246,29 +246,6 @@ def smoke(ctx: Ctx) -> None:
         raise PhaseFailed(f"the update took {m['optimizer_steps']} optimizer step(s), grad_norm {m['grad_norm']}")
 
 
-@phase("rollout", cap_s=240, rehearse_cap_s=150, h100_estimate_s=170, call=1,
-       what="images/s: stock StableDiffusion3Pipeline vs gerl's rollout as shipped vs with every exact lever, no "
-            "adapter and r32 LoRA, micro-batch 16/8, guidance 1/4.5; warm-ups per cell and side, 3 rotating reps")
-def rollout(ctx: Ctx) -> None:
-    from _gpu_day_rollout import rollout as measure
-
-    measure(ctx)
-
-
-@phase("ratio", cap_s=150, rehearse_cap_s=120, h100_estimate_s=90, call=1,
-       what="max |ratio - 1| of the first update after the adapter moved, bf16 and fp16: shipped, exact merged LoRA, "
-            "merged + compiled")
-def ratio(ctx: Ctx) -> None:
-    from _gpu_day_rollout import ratio as measure
-
-    measure(ctx)
-    for dtype in ("bf16", "fp16"):
-        row = ctx.numbers.get(dtype, {})
-        bad = [k for k in ("shipped", "merged", "merged_compiled") if not row.get(k, float("nan")) <= RATIO_BOUND]
-        if bad:
-            raise PhaseFailed(f"{dtype}: max |ratio - 1| above {RATIO_BOUND:g} (or not measured) for {', '.join(bad)}")
-
-
 @phase("train", cap_s=90, rehearse_cap_s=90, h100_estimate_s=54,
        what="one actor update at GeRL's settings: seconds and peak memory, checkpointing off and on, vs gerl plan")
 def train(ctx: Ctx) -> None:
@@ -365,6 +342,29 @@ def attention_measured(out: Path) -> str | None:
             "shipped and with every exact lever; OCR reward on CPU threads")
 def step8(ctx: Ctx) -> None:
     variants(ctx, ("gerl8", "gerl8_levers"))
+
+
+@phase("rollout", cap_s=240, rehearse_cap_s=150, h100_estimate_s=170, call=1,
+       what="images/s: stock StableDiffusion3Pipeline vs gerl's rollout as shipped vs with every exact lever, no "
+            "adapter and r32 LoRA, micro-batch 16/8, guidance 1/4.5; warm-ups per cell and side, 3 rotating reps")
+def rollout(ctx: Ctx) -> None:
+    from _gpu_day_rollout import rollout as measure
+
+    measure(ctx)
+
+
+@phase("ratio", cap_s=150, rehearse_cap_s=120, h100_estimate_s=90, call=1,
+       what="max |ratio - 1| of the first update after the adapter moved, bf16 and fp16: shipped, exact merged LoRA, "
+            "merged + compiled")
+def ratio(ctx: Ctx) -> None:
+    from _gpu_day_rollout import ratio as measure
+
+    measure(ctx)
+    for dtype in ("bf16", "fp16"):
+        row = ctx.numbers.get(dtype, {})
+        bad = [k for k in ("shipped", "merged", "merged_compiled") if not row.get(k, float("nan")) <= RATIO_BOUND]
+        if bad:
+            raise PhaseFailed(f"{dtype}: max |ratio - 1| above {RATIO_BOUND:g} (or not measured) for {', '.join(bad)}")
 
 
 @phase("step", cap_s=240, rehearse_cap_s=150, h100_estimate_s=170, needs=("torch", "diffusers", "rapidocr"), call=2,

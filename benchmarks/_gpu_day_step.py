@@ -127,7 +127,7 @@ def whole_step(ctx, name: str, extra: list[str] = ()) -> dict:
     prompts = [p.text for p in chosen for _ in range(cfg.data.group_size)]
     metadata = [dict(p.metadata) for p in chosen for _ in range(cfg.data.group_size)]
     group_ids = torch.arange(len(chosen)).repeat_interleave(cfg.data.group_size)
-    emulate = ctx.device.type == "cpu" and cfg.model.dtype == "fp16"  # a GPU's fp16 GEMMs at fp32 speed on the CPU
+    emulate = fp16_emulated(ctx, cfg)
     timed = REHEARSE_TIMED if ctx.rehearse else VARIANTS[name][3]
     rows = []
     try:
@@ -144,9 +144,13 @@ def whole_step(ctx, name: str, extra: list[str] = ()) -> dict:
                 t2 = ctx.sync()
                 rows.append({"step_s": t2 - t0, "rollout_s": t1 - t0, "train_s": t2 - t1, "timings": batch.timings,
                              "metrics": metrics, "peak": ctx.peak_gib(), "rewards": rewards})
+        if cfg.algo.name == "flow_grpo":
+            ratio_after_move = moved_ratio(ctx, engine, cfg, prompts, metadata, group_ids, 1 + timed)
     finally:
         engine.close()
     out = summarize(ctx, cfg, name, rows, text_len, engine)
+    if cfg.algo.name == "flow_grpo":
+        out["ratio_max_dev_after_move"] = ratio_after_move
     out.update(build_s=build_s, first_step_s=rows[0]["step_s"])
     from _gpu_day_phases import check_finite
 
@@ -156,6 +160,33 @@ def whole_step(ctx, name: str, extra: list[str] = ()) -> dict:
     if ctx.device.type == "cuda":
         torch.cuda.empty_cache()
     return out
+
+
+def fp16_emulated(ctx, cfg) -> bool:
+    """A CPU rehearsal of an fp16 recipe runs a GPU's fp16 GEMMs emulated (gerl/numerics.py), at fp32 speed — except
+    with model.compile: the emulation is a dispatch mode that compiled blocks cannot run under (the CPU's own fp16
+    GEMMs then run, slower; on a GPU nothing is emulated)."""
+    return ctx.device.type == "cpu" and cfg.model.dtype == "fp16" and not cfg.model.compile
+
+
+def moved_ratio(ctx, engine, cfg, prompts, metadata, group_ids, step: int) -> float:
+    """The first update's max |ratio − 1| once the adapter has moved: random weights score 0 under OCR, so every
+    advantage of the timed steps was 0 and B is still 0, where merging changes nothing. One update with seeded
+    random advantages moves it; then a fresh rollout is replayed by the actor at the same weights (the levers'
+    price in exactness, in this recipe's dtype)."""
+    import torch
+
+    from gerl.numerics import Fp16GemmEmulation
+
+    emulate = fp16_emulated(ctx, cfg)
+    adv = torch.randn(len(prompts), generator=torch.Generator().manual_seed(step)).clamp(-2, 2)
+    with Fp16GemmEmulation() if emulate else contextlib.nullcontext():
+        batch, _ = engine.submit(step, prompts, metadata, group_ids)
+        engine.update(batch, adv, step)
+        engine.sync()
+        batch, _ = engine.submit(step + 1, prompts, metadata, group_ids)
+        m = engine.update(batch, adv, step + 1)
+    return m["ratio_max_dev_before_update"]
 
 
 def summarize(ctx, cfg, name: str, rows: list[dict], text_len: int, engine) -> dict:

@@ -55,7 +55,7 @@ def test_a_failing_phase_is_recorded_and_the_later_phases_still_run(tmp_path, ca
 
 @pytest.mark.parametrize("argv, message", [
     (["--phases", "env,warp"],
-     "unknown phase 'warp'; choose from env, smoke, rollout, ratio, train, step8, step, algos, profile, ocr, t5, "
+     "unknown phase 'warp'; choose from env, smoke, train, step8, rollout, ratio, step, algos, profile, ocr, t5, "
      "validation, fp16, flux_rollout, launcher, launchers"),
     (["--fail", "nope"], "unknown phase 'nope'"),
     (["--phases", ","], "--phases names no phase"),
@@ -76,9 +76,9 @@ def test_without_phases_a_gpu_run_is_a_prepared_call_with_env_first_and_a_rehear
     second, _ = gpu_day.parse_args(["--out", str(tmp_path), "--call", "2"])
     every, _ = gpu_day.parse_args(["--out", str(tmp_path), "--rehearse"])
     named, _ = gpu_day.parse_args(["--out", str(tmp_path), "--phases", "launcher,flux_rollout"])
-    assert first.names == ["env", "rollout", "ratio", "step8"]
+    assert first.names == ["env", "step8", "rollout", "ratio"]
     assert second.names == ["env", "step", "algos", "profile", "ocr", "t5", "validation"]
-    assert every.names == ["env", "rollout", "ratio", "step8", "step", "algos", "profile", "ocr", "t5", "validation"]
+    assert every.names == ["env", "step8", "rollout", "ratio", "step", "algos", "profile", "ocr", "t5", "validation"]
     assert named.names == ["env", "flux_rollout", "launcher"]
 
 
