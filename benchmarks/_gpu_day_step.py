@@ -45,7 +45,7 @@ VARIANTS = {
                                                "train.mini_batch_size=12"],
             ["data.group_size=3", "train.mini_batch_size=6", "sampling.micro_batch_size=3", "algo.train_timesteps=2",
              "sampling.num_steps=4"], 2),
-    "dgpo": ("recipes/dgpo_sd3_ocr.yaml", BF16 + ["data.prompts_per_step=1"],
+    "dgpo": ("recipes/dgpo_sd3_ocr.yaml", BF16 + ["data.prompts_per_step=1", "train.mini_batch_size=16"],
              ["data.group_size=4", "train.mini_batch_size=4", "train.micro_batch_size=4", "sampling.micro_batch_size=4",
               "algo.train_timesteps=2", "sampling.num_steps=4"], 2),
 }

@@ -127,7 +127,7 @@ def test_the_step_benchmark_builds_through_prepare_pipeline(monkeypatch, tmp_pat
     (TF32, the adapter, the levers), the VAE handed to it in fp32 as gerl's loader loads it."""
     from gerl.engine import roles
 
-    phases = load_script("_gpu_day_phases")
+    import _gpu_day_phases as phases
     seen = []
     real = roles.prepare_pipeline
     monkeypatch.setattr(roles, "prepare_pipeline",
