@@ -236,6 +236,7 @@ def plan_for_config(cfg: Config, awm_old_forward: bool | None = None, card: str 
         plan_phases = measurer.phases(work.role_phases(r, cfg, modules, w, state, old_forward))
         comps = fam.components("rollout" if r == "hybrid" else r)
         resident = [i for c in comps for i in residents[c]] + [i for k in kinds for i in residents[k]]
+        resident.append(work.cublas_workspace(r))
         rp = RolePlan(r, resident, plan_phases)
         rp.cards = card_fits(rp, m.gradient_checkpointing)
         role_plans.append(rp)

@@ -147,6 +147,21 @@ def resident_items(cfg: Config, fam, modules: dict, trained: list, graded: list)
     return {**out, "actor": actor, "rollout": rollout}
 
 
+CUBLAS_WORKSPACE_MIB = 32  # per thread that issues GEMMs: read on an H200 (2026-11-28, gpu_day env) for the main
+# thread, autograd's backward thread and a second Python thread alike — torch's default cuBLAS workspace on Hopper,
+# held by the caching allocator from a thread's first GEMM on
+
+
+def cublas_workspace(role: str) -> Item:
+    """cuBLAS's workspace on a host of `role`: one for the thread running the forwards, one more for autograd's
+    backward thread where the host trains (the launchers' unplanned 64–69 MiB on training hosts and 37 MiB on a
+    rollout-only host, second GPU day)."""
+    threads = 2 if role in ("actor", "hybrid") else 1
+    what = "forward + autograd backward threads" if threads == 2 else "the forward thread"
+    return Item(f"cuBLAS workspace ({CUBLAS_WORKSPACE_MIB} MiB × {threads}: {what})",
+                _gib(threads * CUBLAS_WORKSPACE_MIB * 2**20))
+
+
 def swaps(cfg: Config, role: str) -> dict[str, str]:
     """When a host of `role` holds a backup of the trained tensors (gerl.workers.actor.swapped_in), in words."""
     out = {}
