@@ -49,6 +49,8 @@ class Family:
         components: the pipeline's weighted parts; text encoders map to their tokenizers in `tokenizers`.
         negative_prompt: the text of the unconditional branch when `uses_negative` (the stock pipelines' default).
         lora_targets: the default LoRA target modules (model.lora_targets = []), as the peers train this family.
+        block_lists: the transformer's attributes holding its repeated blocks, in forward order: the units the
+            data-parallel layer shards or replicates one by one (gerl/engine/parallel.py).
     """
 
     name: str = ""
@@ -59,6 +61,7 @@ class Family:
     tokenizers: dict[str, str] = {}
     negative_prompt: str = ""
     lora_targets: tuple[str, ...] = ()
+    block_lists: tuple[str, ...] = ("transformer_blocks",)
 
     def pipeline_cls(self):
         """The diffusers pipeline class (from_pretrained, save_lora_weights)."""
@@ -97,6 +100,12 @@ class Family:
     def decode(self, vae, latents):
         """Canonical latents (B, C, h, w) → the VAE's images (B, 3, H, W) float in [-1, 1] (before clamping)."""
         raise NotImplementedError
+
+
+def compute_dtype(transformer):
+    """The dtype a transformer computes in, which a family casts its inputs to: its weights' own, or the model dtype
+    that the data-parallel layer casts its fp32 master weights to for each forward (gerl/engine/parallel.py)."""
+    return getattr(transformer, "gerl_compute_dtype", None) or next(transformer.parameters()).dtype
 
 
 def register(cls: type[Family]) -> type[Family]:

@@ -50,7 +50,10 @@ class MergedLora:
 
     @staticmethod
     def _delta(m, adapter: str) -> torch.Tensor:
-        a, b = m.lora_A[adapter].weight.float(), m.lora_B[adapter].weight.float()
+        a, b = m.lora_A[adapter].weight, m.lora_B[adapter].weight
+        # replicated by the data-parallel layer (a DTensor whose local tensor is the whole adapter)
+        a, b = (t.to_local() if hasattr(t, "to_local") else t for t in (a, b))
+        a, b = a.float(), b.float()
         d = b @ a
         return (d.T if m.fan_in_fan_out else d) * m.scaling[adapter]
 
