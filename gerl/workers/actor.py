@@ -375,8 +375,9 @@ class ActorWorker:
     def gather(self, tensors: list[torch.Tensor], dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
         """{name: whole tensor on the CPU in `dtype`} of the trained parameters' `tensors` (the masters, the EMA, the
         anchor). Under shards every rank must call it (one all-gather per tensor) and only data-parallel rank 0
-        keeps the result: the others get {}. On the CPU in fp32 a tensor is handed back itself, not copied."""
-        keep = self.dp is None or self.dp.rank == 0
+        keeps the result: the others get {} (replicas each hold the whole). On the CPU in fp32 a tensor is handed
+        back itself, not copied."""
+        keep = self.dp is None or not self.dp.sharded or self.dp.rank == 0
         out = {}
         for (n, _), t in zip(self.named_params, tensors):
             whole = self.dp.full(t.detach()) if self.dp is not None else t.detach()
