@@ -20,8 +20,8 @@ anchor — with torch.distributed.checkpoint instead: `sharded/`, one file per r
 written and read by torch: the one pickle in a gerl checkpoint; resume only checkpoints you trust). Every actor rank
 writes its own shards, so the run directory must be on a filesystem all actor hosts share. The transformer/ (or
 the LoRA files) are still written whole by rank 0, in the format stock `from_pretrained` (load_lora_weights) reads.
-Resume is bit-exact on the same number of actor ranks; DCP reshards on load, so another number of ranks resumes
-too (same values; tests/engine/test_fsdp.py).
+Resume is bit-exact on the same number of actor ranks (tests/engine/test_fsdp.py); DCP reshards on load, so another
+number of ranks resumes too (docs/architecture.md, "Data parallel layer").
 """
 
 from __future__ import annotations
