@@ -170,7 +170,9 @@ def forget_meshes() -> None:
     propagator = DTensor._op_dispatcher.sharding_propagator
     propagator.propagate_op_sharding.cache_clear()
     propagator._propagate_tensor_meta_cached.cache_clear()
-    torch._C._clear_DTensor_sharding_propagator_cache()
+    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # the C++ fast path's (2.13)
+    if clear_native is not None:
+        clear_native()
 
 
 def mixed_precision(dtype: torch.dtype, lora: bool):
