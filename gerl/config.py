@@ -194,6 +194,7 @@ class EngineConfig:
     ray_address: str = ""  # "" = start a local Ray; "auto" or host:port = join an existing cluster (ray start --head)
     max_rollout_restarts: int = 3  # a dead rollout worker is replaced this many times before the run fails
     setup_timeout_s: float = 900.0  # a Ray host that has not loaded its model within this many seconds stops the run with its name and the likely cause
+    fsdp: bool = False  # shard the actor ranks' transformer with torch FSDP2 (fully_shard per block, then the root): each of the engine.actor_workers ranks holds 1/N of the weights, gradients and AdamW state (fp32 masters, computing in model.dtype); for full fine-tuning that does not fit one GPU, or a LoRA over a base that does not. false = every actor rank holds the whole model (replicas, gradients averaged by DDP). docs/architecture.md, "Data parallel layer"
     rehearse: bool = False  # run this config's GPU topology on CPU: Ray declares the GPUs it needs (one CUDA_VISIBLE_DEVICES per host), process groups use the GPU backend map with NCCL replaced by gloo, the model in model.dtype on the CPU (docs/architecture.md, "Rehearsing a GPU launcher")
 
 
@@ -760,9 +761,16 @@ def _relations(cfg: Config) -> list[str]:
                  "model.merge_lora or set model.lora=true")
     e += _speed_relations(cfg)
     if cfg.model.dtype == "fp16" and not cfg.model.lora:
-        e.append("model.dtype=fp16 with model.lora=false would train fp16 weights with no fp32 master copy (AdamW's "
-                 "small updates round away, and loss-scaled gradients cannot be unscaled in fp16); use bf16 or fp32 "
-                 "for full fine-tuning, or a LoRA")
+        e.append("model.dtype=fp16 with model.lora=false: full fine-tuning in fp16 is not supported (its loss scaling "
+                 "is proven for a LoRA only); use bf16 (fp32 master weights keep AdamW's small steps) or fp32, or a LoRA")
+    if g.fsdp and g.kind == "ray" and g.schedule == "stream":
+        e.append("engine.fsdp=true with engine.schedule=stream is not supported yet; use schedule=sync or async")
+    if g.fsdp and cfg.model.merge_lora:
+        e.append("model.merge_lora=true merges the adapter into base weights that engine.fsdp=true shards over the "
+                 "actor ranks; drop one of them")
+    if g.fsdp and cfg.model.compile:
+        e.append("model.compile=true with engine.fsdp=true is not supported yet (FSDP2's per-block hooks around the "
+                 "compiled blocks are untested here); drop one of them")
     if g.rehearse and g.device == "cpu":
         e.append("engine.rehearse=true rehearses a GPU layout on CPU; it needs engine.device=cuda (or auto), "
                  "as the GPU launchers set it")

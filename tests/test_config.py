@@ -239,6 +239,15 @@ def test_dgpo_combinations_that_cannot_work_are_refused_naming_the_fix():
     assert cfg.algo.name == "dgpo" and cfg.sampling.guidance_scale == 4.5  # DGPO's default mode: rollouts with CFG
 
 
+def test_fsdp_refuses_what_it_does_not_shard_yet():
+    ray = ["engine.kind=ray", "engine.hybrid=false", "engine.fsdp=true"]
+    assert load_config(None, [*ray, "engine.schedule=async"]).engine.fsdp
+    with pytest.raises(UserError, match="engine.fsdp=true with engine.schedule=stream is not supported"):
+        load_config(None, [*ray, "engine.schedule=stream"])
+    with pytest.raises(UserError, match="sampling.merge_lora=true merges the adapter into base weights that engine.fsdp"):
+        load_config(None, ["engine.fsdp=true", "sampling.merge_lora=true"])
+
+
 def test_fractional_gpu_hosts_are_accepted_and_fp16_full_fine_tuning_is_not():
     one_gpu = ["engine.kind=ray", "engine.hybrid=false", "engine.device=cuda", "engine.gpus_per_worker=0.5"]
     # hosts sharing a GPU: NCCL cannot join them, so their groups carry CUDA tensors with gloo (tests/engine/test_dist.py)
@@ -248,7 +257,7 @@ def test_fractional_gpu_hosts_are_accepted_and_fp16_full_fine_tuning_is_not():
     for bad in ("0", "1.5", "-0.5"):
         with pytest.raises(UserError, match=rf"engine.gpus_per_worker={bad}"):
             load_config(None, ["engine.kind=ray", f"engine.gpus_per_worker={bad}"])
-    with pytest.raises(UserError, match="model.dtype=fp16 with model.lora=false would train fp16 weights"):
+    with pytest.raises(UserError, match="model.dtype=fp16 with model.lora=false: full fine-tuning in fp16 is not"):
         load_config(None, ["model.dtype=fp16", "model.lora=false"])
     load_config(None, ["model.dtype=bf16", "model.lora=false"])
     with pytest.raises(UserError, match="engine.rehearse=true rehearses a GPU layout on CPU; it needs engine.device=cuda"):

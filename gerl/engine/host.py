@@ -89,6 +89,9 @@ class Host:
 
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+        from gerl.engine.parallel import forget_meshes
+
+        forget_meshes()  # the next run may give this process another rank
         self.dp_group = self.sync_group = self.rollout = self.actor = None
         gc.collect()
         if torch.cuda.is_initialized():  # the next run's peak memory is its own, and its models' memory is free
@@ -117,16 +120,18 @@ class Host:
         from gerl.engine.roles import ActorRole, RolloutRole, build_pipeline
 
         self.device = device
-        if self.world > 1:
+        # sharding needs a group even for one actor rank (FSDP2 over a world of 1: the same code path and memory)
+        shard_alone = self.cfg.engine.fsdp and "actor" in self.roles and self.actor_world == 1
+        if self.world > 1 or shard_alone:
             gdist.init_process_group(backends, dist_addr, self.rank, self.world)
             # Every process creates every group, in the same order (a torch.distributed rule).
-            self.dp_group = gdist.new_group(list(range(self.actor_world)), backends) if self.actor_world > 1 else None
+            dp = self.actor_world > 1 or self.cfg.engine.fsdp
+            self.dp_group = gdist.new_group(list(range(self.actor_world)), backends) if dp else None
             self.sync_group = gdist.new_group(self.sync_ranks, backends) if self.sync_ranks else None
         pipe = build_pipeline(self.cfg, device, roles=self.roles)
         self.rollout = RolloutRole(self.cfg, pipe) if "rollout" in self.roles else None
-        grad_sync = self._grad_sync if self.dp_group is not None else None
-        if "actor" in self.roles:
-            self.actor = ActorRole(self.cfg, pipe, self.rank, self.actor_world, grad_sync=grad_sync)
+        if "actor" in self.roles:  # the data-parallel engine over dp_group: gerl/engine/parallel.py
+            self.actor = ActorRole(self.cfg, pipe, self.rank, self.actor_world, group=self.dp_group)
         ctx = ray.get_runtime_context()
         return {"host": self.name, "roles": list(self.roles), "pid": os.getpid(), "node": ctx.get_node_id(),
                 "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
@@ -135,22 +140,6 @@ class Host:
                 "dtype": self.cfg.model.dtype, "backends": backends if self.world > 1 else None,
                 "rank": self.rank if self.world > 1 else None, "torch_threads": torch.get_num_threads(),
                 "nice": os.nice(0), **determinism.state()}
-
-    def _grad_sync(self, params, loss_ok: bool, grads_ok: bool) -> tuple[bool, bool]:
-        """Average gradients over the data-parallel ranks. The flags (was this rank's loss finite, were its
-        unscaled gradients finite) are summed over the ranks as a CPU tensor — the reason the group's backend map
-        needs a CPU entry — so that every rank skips the same steps."""
-        import torch.distributed as dist
-
-        flags = torch.tensor([0.0 if loss_ok else 1.0, 0.0 if grads_ok else 1.0])
-        dist.all_reduce(flags, group=self.dp_group)
-        n = dist.get_world_size(self.dp_group)
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, group=self.dp_group)
-            p.grad /= n
-        return bool(flags[0] == 0), bool(flags[1] == 0)
 
     def pid(self) -> int:
         return os.getpid()
@@ -172,6 +161,12 @@ class Host:
 
     @_cpu_only("validate")
     def validate(self, prompts, metadata, weights=None):
+        """Score `prompts` with the rollout's weights, or `weights` loaded for the call; weights="actor": a hybrid
+        host under the data-parallel layer, whose shared weights are DTensors, swaps in the actor's own validation
+        weights (the EMA) instead (under shards every host runs it: each forward all-gathers)."""
+        if weights == "actor":
+            with self.actor.validation_policy():
+                return self.rollout.validate(prompts, metadata)
         if weights is None:
             return self.rollout.validate(prompts, metadata)
         # clone: on CPU in fp32, weights() hands back the live parameters, which the EMA load would overwrite
@@ -203,10 +198,17 @@ class Host:
     def rollout_weights(self, pending: bool = False):
         return self.rollout.weights(pending=True) if pending else self.rollout.weights()
 
+    def _sync_dtype(self) -> torch.dtype:
+        """The dtype weights travel to rollouts in: theirs (a LoRA adapter's fp32, else the model dtype)."""
+        from gerl.models.loader import DTYPES
+
+        return torch.float32 if self.cfg.model.lora else DTYPES[self.cfg.model.dtype]
+
     def recv_broadcast(self, version, bucket_mb) -> float:
         t0 = time.perf_counter()
         params = dict(self.rollout.pipe.transformer.named_parameters())
-        broadcast(self.sync_group, [params[n] for n in self.rollout.names], bucket_mb, src=0, receive=True)
+        broadcast(self.sync_group, [params[n] for n in self.rollout.names], bucket_mb, src=0, receive=True,
+                  dtype=self._sync_dtype())
         self.rollout.worker.policy_version = version
         return time.perf_counter() - t0
 
@@ -231,8 +233,12 @@ class Host:
         return w if w is not None or not current else self.actor.worker.trainable_state()
 
     def send_broadcast(self, bucket_mb) -> float:
+        """Actor rank 0 broadcasts what rollouts generate with; under shards every actor rank calls it, and each
+        bucket is first gathered whole over the actor ranks (the ranks other than 0 only gather)."""
         t0 = time.perf_counter()
-        broadcast(self.sync_group, self.actor.worker.params, bucket_mb, src=0, receive=False)
+        w = self.actor.worker
+        broadcast(self.sync_group, w.sampling_tensors(), bucket_mb, src=0, receive=False, dtype=self._sync_dtype(),
+                  full=w.dp.full if w.dp is not None else None, member=self.rank == 0)
         return time.perf_counter() - t0
 
     def actor_version(self) -> int:
@@ -257,18 +263,26 @@ class Host:
 
 
 @torch.no_grad()
-def broadcast(group, params: list[torch.Tensor], bucket_mb: int, src: int, receive: bool) -> None:
-    """Broadcast tensors from `src` in flat fp32 buckets of ≤ bucket_mb; receivers copy each bucket as it lands."""
+def broadcast(group, params: list[torch.Tensor], bucket_mb: int, src: int, receive: bool,
+              dtype: torch.dtype = torch.float32, full=None, member: bool = True) -> None:
+    """Broadcast tensors from `src` in flat buckets of `dtype` (the rollouts' own: the model dtype for full weights,
+    fp32 for a LoRA) of ≤ bucket_mb; receivers copy each bucket as it lands. `full` makes a sharded tensor whole
+    (every actor rank gathers each bucket in turn); `member=False`: an actor rank outside the broadcast group, which
+    only takes part in the gathers."""
     import torch.distributed as dist
 
-    limit = max(1, bucket_mb * 2**20 // 4)
+    limit = max(1, bucket_mb * 2**20 // torch.empty((), dtype=dtype).element_size())
     bucket: list[torch.Tensor] = []
 
     def flush():
         if not bucket:
             return
+        whole = [full(p.detach()) if full is not None else p.detach() for p in bucket]
+        if not member:
+            bucket.clear()
+            return
         # NCCL needs CUDA tensors, gloo CPU ones: keep the bucket on the parameters' own device
-        flat = torch.cat([p.detach().float().flatten() for p in bucket]).to(bucket[0].device)
+        flat = torch.cat([p.to(dtype).flatten() for p in whole]).to(whole[0].device)
         dist.broadcast(flat, src=src, group=group)
         if receive:
             off = 0

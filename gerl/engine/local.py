@@ -19,7 +19,13 @@ class LocalEngine:
         self.cfg = cfg
         pipe = pipe if pipe is not None else build_pipeline(cfg)
         self.rollout = RolloutRole(cfg, pipe, reward_fns)
-        self.actor = ActorRole(cfg, pipe)
+        # engine.fsdp: FSDP2 over a group of this one process (the sharded code path and its memory, on one device)
+        group = None
+        if cfg.engine.fsdp:
+            from gerl.engine.parallel import single_process_group
+
+            group = single_process_group(pipe.transformer.device.type)
+        self.actor = ActorRole(cfg, pipe, group=group)
         self.restarts = 0
 
     def submit(self, step, prompts, metadata, group_ids):
@@ -47,10 +53,7 @@ class LocalEngine:
         return self.actor.version
 
     def validate(self, prompts, metadata):
-        ema = self.actor.ema_swapped()
-        if ema is None:
-            return self.rollout.validate(prompts, metadata)
-        with ema:
+        with self.actor.validation_policy():
             return self.rollout.validate(prompts, metadata)
 
     def save(self, run_dir, step, extra, keep_last) -> None:

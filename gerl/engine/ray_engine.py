@@ -170,6 +170,13 @@ class RayEngine:
     def actor_version(self) -> int:
         return self._version
 
+    def _actor_call(self, method: str, *args, **kwargs):
+        """A call on actor rank 0 whose answer needs whole weights. Under shards every actor rank must take part in
+        each gather (in the same order: Ray runs a host's calls in submission order), and rank 0's answer is the
+        one returned; the other ranks answer {}."""
+        ranks = self.actors if self.cfg.engine.fsdp else self.actors[:1]
+        return [getattr(h, method).remote(*args, **kwargs) for h in ranks][0]
+
     # ---------------------------------------------------------------- generation
     def _shards(self, prompts, metadata, group_ids):
         m, n = len(self.rollouts), len(prompts)
@@ -189,7 +196,7 @@ class RayEngine:
                 h.load_weights.remote(old_ref, v)
         refs = [h.generate.remote(*s[:3], step, s[3]) for h, s in zip(self.rollouts, shards)]
         if old is not None:
-            current = self.actors[0].actor_weights.remote()
+            current = self._actor_call("actor_weights")
             self._pending_loads = [h.load_weights.remote(current, self._version) for h in self.rollouts]
         return {"step": step, "shards": shards, "refs": refs, "hosts": list(self.rollouts)}
 
@@ -233,7 +240,7 @@ class RayEngine:
         self.rollouts[j] = self._host_cls.options(**self._opts).remote(*self._spec[idx])
         self.ray.get(self.rollouts[j].setup.remote(None, self.backends, self.host_device))
         self.hosts = self.actors + self.rollouts
-        self.ray.get(self.rollouts[j].load_weights.remote(self.actors[0].actor_weights.remote(), self._version))
+        self.ray.get(self.rollouts[j].load_weights.remote(self._actor_call("actor_weights"), self._version))
         self.restarts += 1
 
     # ---------------------------------------------------------------- training
@@ -269,17 +276,18 @@ class RayEngine:
             return 0.0
         t0 = time.perf_counter()
         if self.stream is not None:  # staged while generating; loaded between micro-batches (RolloutRole)
-            weights = self.actors[0].actor_weights.remote()
+            weights = self._actor_call("actor_weights")
             self.ray.wait([weights])
             self._pending_loads = [h.stage_weights.options(concurrency_group="weights").remote(weights, self._version)
                                    for h in self.rollouts]
         elif self.sync_mode == "object_store":
-            weights = self.actors[0].actor_weights.remote()
+            weights = self._actor_call("actor_weights")
             self.ray.wait([weights])
             self._pending_loads = [h.load_weights.remote(weights, self._version) for h in self.rollouts]
         else:
             bucket = self.cfg.engine.sync_bucket_mb
-            refs = [self.actors[0].send_broadcast.remote(bucket)] + [
+            senders = self.actors if self.cfg.engine.fsdp else self.actors[:1]  # shards: every rank gathers
+            refs = [h.send_broadcast.remote(bucket) for h in senders] + [
                 h.recv_broadcast.remote(self._version, bucket) for h in self.rollouts]
             self.ray.get(refs)
         return time.perf_counter() - t0
@@ -288,14 +296,19 @@ class RayEngine:
         # Validation scores the actor's weights now. The rollouts hold the sampling weights, loaded in call order
         # (async), or staged and loaded only when the next group starts (stream): there rollout 0 may still hold
         # an older version, so stream always hands the weights over; and EMA / nft validate other tensors.
-        weights = self.ray.get(self.actors[0].actor_weights.remote(validation=True, current=self.stream is not None))
+        if self.hybrid and (self.cfg.engine.fsdp or len(self.actors) > 1):
+            # the shared weights are the data-parallel layer's DTensors: each host swaps its own validation weights
+            # in; under shards every host generates (each forward all-gathers) and host 0's answer counts
+            hosts = self.actors if self.cfg.engine.fsdp else self.actors[:1]
+            return self.ray.get([h.validate.remote(prompts, metadata, "actor") for h in hosts])[0]
+        weights = self.ray.get(self._actor_call("actor_weights", validation=True, current=self.stream is not None))
         return self.ray.get(self.rollouts[0].validate.remote(prompts, metadata, weights))
 
     def weights_equal(self) -> bool:
         """Test hook: every rollout's trained tensors equal what the actor samples with (nft: its anchor), exactly
         (waits for pending syncs; a streaming rollout's are those it holds once its staged buckets are in)."""
         self.ray.get(self._pending_loads)
-        a = self.ray.get(self.actors[0].actor_weights.remote())
+        a = self.ray.get(self._actor_call("actor_weights"))
         # streaming hosts answer on their weights thread, beside the generation their default thread is running
         call = (lambda h: h.rollout_weights.options(concurrency_group="weights")) if self.stream is not None else (
             lambda h: h.rollout_weights)
@@ -303,7 +316,8 @@ class RayEngine:
         return all(all(torch.equal(a[k], w[k]) for k in a) for w in held)
 
     def save(self, run_dir, step, extra, keep_last) -> None:
-        self.ray.get(self.actors[0].save.remote(run_dir, step, extra, keep_last))
+        writers = self.actors if self.cfg.engine.fsdp else self.actors[:1]  # shards: every rank writes its own
+        self.ray.get([h.save.remote(run_dir, step, extra, keep_last) for h in writers])
 
     def load(self, path) -> dict:
         states = self.ray.get([h.load.remote(str(path)) for h in self.actors])

@@ -8,6 +8,7 @@ submitted right where the images are decoded. ActorRole = ActorWorker (the updat
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 import threading
@@ -19,7 +20,7 @@ import torch
 from gerl.checkpoint import load_checkpoint, load_inflight_weights, save_checkpoint
 from gerl.config import Config, reward_components, trained_steps_per_sample, derived_sizes
 from gerl.models.loader import (
-    ROLE_COMPONENTS, TextEmbedder, add_lora, load_lora_into_pipeline, load_pipeline, resolve_device,
+    DTYPES, ROLE_COMPONENTS, TextEmbedder, add_lora, load_lora_into_pipeline, load_pipeline, resolve_device,
 )
 from gerl.models.attention import set_attention_backend
 from gerl.models.compile import compile_transformer, take_compile_metrics, variant_bound
@@ -234,12 +235,12 @@ class RolloutRole:
         self.worker.policy_version = version
 
     def weights(self, pending: bool = False) -> dict[str, torch.Tensor]:
-        """The trained tensors this rollout generates with; pending=True: those it will generate with once the
-        staged buckets (streaming) are in."""
+        """The trained tensors this rollout generates with, in the dtype it holds them in; pending=True: those it
+        will generate with once the staged buckets (streaming) are in."""
         params = dict(self.pipe.transformer.named_parameters())
         with self._lock:
             staged = {id(p): t for bucket in (self._staged[1] if pending and self._staged else []) for p, t in bucket}
-            return {n: staged.get(id(params[n]), params[n]).detach().float().cpu() for n in self.names}
+            return {n: staged.get(id(params[n]), params[n]).detach().cpu() for n in self.names}
 
     def close(self) -> None:
         self.rewards.close()
@@ -249,15 +250,22 @@ class ActorRole:
     """The policy update on one device (one data-parallel rank), plus checkpoints and weight export."""
 
     def __init__(self, cfg: Config, pipe=None, rank: int = 0, world: int = 1, cores: list[int] | None = None,
-                 device: str | None = None, grad_sync=None):
+                 device: str | None = None, grad_sync=None, group=None):
         pin_cpus(cores)
         self.cfg, self.rank, self.world = cfg, rank, world
         self.pipe = pipe if pipe is not None else build_pipeline(cfg, device, roles=("actor",))
         apply_levers(self.pipe, cfg)  # a pipeline handed in (the local engine's, a test's) gets them too
         sizes = derived_sizes(cfg, trained_steps_per_sample(cfg))
+        parallel = None
+        if group is not None:  # the actor ranks' group: torch's DDP/FSDP2 engine over it (gerl/engine/parallel.py)
+            from gerl.engine.parallel import parallelize
+
+            parallel = functools.partial(parallelize, group=group, shard=cfg.engine.fsdp,
+                                         dtype=DTYPES[cfg.model.dtype], lora=cfg.model.lora)
         self.worker = ActorWorker(self.pipe.transformer, cfg.train, cfg.model, cfg.sampling, cfg.max_steps,
                                   sizes["images_per_step"], cfg.seed, world=world, grad_sync=grad_sync,
-                                  ratio_cap=cfg.engine.ratio_cap, conventions=cfg.conventions, algo=cfg.algo, rank=rank)
+                                  ratio_cap=cfg.engine.ratio_cap, conventions=cfg.conventions, algo=cfg.algo, rank=rank,
+                                  parallel=parallel)
         # async: the weights of the last max_staleness versions, which generations still in flight were issued
         # with — a checkpoint keeps them so that a resumed run re-issues those generations bit-exactly.
         self.history = deque(maxlen=cfg.engine.max_staleness + 1) if cfg.engine.schedule == "async" else None
@@ -265,7 +273,8 @@ class ActorRole:
 
     def _remember(self) -> None:
         if self.history is not None:
-            # clone: on CPU in fp32, weights() hands back the live parameters themselves
+            # clone: on CPU in fp32, weights() hands back the live parameters themselves (under shards every rank
+            # gathers and rank 0 alone keeps them)
             self.history.append((self.version, {n: t.clone() for n, t in self.weights().items()}))
 
     def pid(self) -> int:
@@ -297,11 +306,12 @@ class ActorRole:
         rollouts sample with the anchor (nft; dgpo after its switch)."""
         w = self.worker
         if w.ema is not None:
-            return {n: s.float().cpu() for (n, _), s in zip(w.named_params, w.ema.shadow)}
+            return w.ema_state()
         return w.trainable_state() if w.samples_with_anchor else None
 
     def save(self, run_dir, step: int, extra_state: dict, keep_last: int) -> None:
-        if self.rank == 0:
+        """Rank 0 writes the checkpoint; under shards every rank takes part (gerl/checkpoint.py)."""
+        if self.rank == 0 or self.worker.dp is not None and self.worker.dp.sharded:
             inflight = {f"v{v}/{n}": t for v, w in self.older_versions().items() for n, t in w.items()}
             save_checkpoint(run_dir, step, self.worker, extra_state, keep_last, inflight)
 
@@ -315,3 +325,8 @@ class ActorRole:
 
     def ema_swapped(self):
         return self.worker.ema.swapped() if self.worker.ema is not None else None
+
+    def validation_policy(self):
+        """Context for validating on the transformer the rollout shares (local engine, hybrid hosts): the EMA swapped
+        in, else the trained weights as they are (nft's anchor is swapped in only while generating for training)."""
+        return self.ema_swapped() or contextlib.nullcontext()

@@ -50,7 +50,8 @@ class Family:
         negative_prompt: the text of the unconditional branch when `uses_negative` (the stock pipelines' default).
         lora_targets: the default LoRA target modules (model.lora_targets = []), as the peers train this family.
         block_lists: the transformer's attributes holding its repeated blocks, in call order: what model.compile
-            compiles, one block at a time (gerl/models/compile.py).
+            compiles, one block at a time (gerl/models/compile.py), and the units the data-parallel layer shards or
+            replicates one by one (gerl/engine/parallel.py).
         compile_refusal: why model.compile cannot keep this family's shapes fixed ("" = it can).
         attention_mask: whether the transformer passes an attention mask to its attention (a backend must take one).
     """
@@ -113,6 +114,12 @@ class Family:
     def decode(self, vae, latents):
         """Canonical latents (B, C, h, w) → the VAE's images (B, 3, H, W) float in [-1, 1] (before clamping)."""
         raise NotImplementedError
+
+
+def compute_dtype(transformer):
+    """The dtype a transformer computes in, which a family casts its inputs to: its weights' own, or the model dtype
+    that the data-parallel layer casts its fp32 master weights to for each forward (gerl/engine/parallel.py)."""
+    return getattr(transformer, "gerl_compute_dtype", None) or next(transformer.parameters()).dtype
 
 
 def register(cls: type[Family]) -> type[Family]:

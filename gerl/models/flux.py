@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gerl.models.family import Family, register, resolution_shift
+from gerl.models.family import Family, compute_dtype, register, resolution_shift
 from gerl.sampling.loop import Embeds, Schedule
 
 
@@ -62,6 +62,7 @@ class Flux(Family):
     lora_targets = ("attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0", "attn.add_k_proj", "attn.add_q_proj",
                     "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
                     "ff_context.net.2")
+    block_lists = ("transformer_blocks", "single_transformer_blocks")  # 19 double-stream, then 38 single-stream (dev)
 
     def build_tiny(self, seed: int, variant: str):
         from gerl.models.tiny import build_tiny_flux
@@ -96,7 +97,7 @@ class Flux(Family):
     def velocity(self, transformer, x: torch.Tensor, timestep: torch.Tensor, embeds: Embeds,
                  guidance: float) -> torch.Tensor:
         """One forward on the packed latents; dev reads `guidance` through its embedding, schnell ignores it."""
-        dtype = next(transformer.parameters()).dtype
+        dtype = compute_dtype(transformer)
         B, _, h, w = x.shape
         g = None
         if transformer.config.guidance_embeds:

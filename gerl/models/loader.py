@@ -151,10 +151,13 @@ def add_lora(transformer, rank: int, alpha: float, targets: list[str], init: str
     return transformer
 
 
-def lora_state_dict(transformer) -> dict[str, torch.Tensor]:
+def lora_state_dict(transformer, state_dict: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The adapter's tensors under PEFT's names; `state_dict`: the transformer's own tensors by module name to take
+    them from (whole ones, where the data-parallel layer holds DTensors)."""
     from peft.utils import get_peft_model_state_dict
 
-    return {k: v.detach().float().cpu().contiguous() for k, v in get_peft_model_state_dict(transformer).items()}
+    return {k: v.detach().float().cpu().contiguous()
+            for k, v in get_peft_model_state_dict(transformer, state_dict=state_dict).items()}
 
 
 def lora_metadata(transformer) -> dict:
@@ -163,17 +166,18 @@ def lora_metadata(transformer) -> dict:
     return {k: (sorted(v) if isinstance(v, set) else v) for k, v in cfg.items()}
 
 
-def save_lora(transformer, directory: str | Path) -> None:
+def save_lora(transformer, directory: str | Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
     """Write the LoRA twice over, for the two loaders people use:
     `pytorch_lora_weights.safetensors` for the family's pipeline's load_lora_weights (StableDiffusion3Pipeline,
     FluxPipeline), and
     `adapter_config.json` + `adapter_model.safetensors` for peft.PeftModel.from_pretrained(transformer, directory)
-    (PEFT's own file names and "base_model.model." keys; the LoRA is small, so the copy costs little)."""
+    (PEFT's own file names and "base_model.model." keys; the LoRA is small, so the copy costs little).
+    `state_dict`: the adapter's whole tensors by module name (see lora_state_dict)."""
     from safetensors.torch import save_file
 
     from gerl.models.family import family_of
 
-    weights = lora_state_dict(transformer)
+    weights = lora_state_dict(transformer, state_dict)
     family_of(transformer).pipeline_cls().save_lora_weights(
         str(directory),
         transformer_lora_layers=weights,

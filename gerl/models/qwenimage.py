@@ -27,7 +27,7 @@ import torch
 
 from gerl.errors import UserError
 from gerl.models import qwenimage_math as qm
-from gerl.models.family import Family, register
+from gerl.models.family import Family, compute_dtype, register
 from gerl.sampling.loop import Embeds, Schedule
 
 
@@ -95,7 +95,7 @@ class QwenImage(Family):
         if transformer.config.guidance_embeds:
             raise UserError("this Qwen-Image transformer has guidance_embeds=true (a guidance-distilled variant), "
                             "which gerl's Qwen-Image family does not drive; use Qwen-Image's published transformer")
-        dtype = next(transformer.parameters()).dtype
+        dtype = compute_dtype(transformer)
         B, _, h, w = x.shape
         tokens = qm.pack_latents(x).to(dtype)
         t = timestep.to(dtype) / qm.NUM_TRAIN_TIMESTEPS  # σ, rounded to the model dtype first as the stock call does

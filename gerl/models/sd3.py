@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from gerl.models.family import Family, register, resolution_shift
+from gerl.models.family import Family, compute_dtype, register, resolution_shift
 from gerl.sampling.loop import Embeds, Schedule, make_schedule
 
 
@@ -71,7 +71,7 @@ class SD3(Family):
     def velocity(self, transformer, x: torch.Tensor, timestep: torch.Tensor, embeds: Embeds,
                  guidance: float) -> torch.Tensor:
         """Classifier-free guidance when guidance > 1: one forward on [uncond; cond], as the stock pipeline does."""
-        dtype = next(transformer.parameters()).dtype
+        dtype = compute_dtype(transformer)
         if guidance > 1.0:
             if embeds.neg_prompt is None:
                 raise ValueError("guidance > 1 needs negative embeddings")

@@ -15,14 +15,16 @@ from gerl.config import AlgoConfig, ConventionsConfig, ModelConfig, SamplingConf
 from gerl.sampling.loop import replay_log_prob
 from gerl.sampling.steps import log_prob_as
 from gerl.workers.batch import RolloutBatch
-from gerl.workers.loss_scale import DynamicLossScaler, grad_zero_fraction
+from gerl.workers.loss_scale import DynamicLossScaler, grad_zero_counts
+from gerl.workers.masters import MasterWeights, needs_masters
 
 
 class EMA:
-    """Exponential moving average of the trained parameters, swapped in for validation."""
+    """Exponential moving average of the trained parameters (the fp32 masters), swapped into the model's weights
+    (`into`, the same tensors unless masters exist) for validation."""
 
-    def __init__(self, params: list[torch.nn.Parameter], decay: float):
-        self.params, self.decay = params, decay
+    def __init__(self, params: list[torch.nn.Parameter], decay: float, into: list[torch.nn.Parameter] | None = None):
+        self.params, self.decay, self.into = params, decay, into if into is not None else params
         self.shadow = [p.detach().clone() for p in params]
 
     @torch.no_grad()
@@ -31,12 +33,15 @@ class EMA:
             s.lerp_(p.detach(), 1 - self.decay)
 
     def swapped(self):
-        return swapped_in(self.params, self.shadow)
+        return swapped_in(self.into, self.shadow)
 
 
 def compute_dtype(transformer) -> torch.dtype:
     """The dtype the transformer computes in: its frozen base weights' (a LoRA adapter is kept in fp32), or its
-    own weights' when all of them train."""
+    own weights' when all of them train (or the model dtype the data-parallel layer casts their fp32 masters to)."""
+    cast = getattr(transformer, "gerl_compute_dtype", None)
+    if cast is not None:
+        return cast
     params = list(transformer.parameters())
     frozen = [p for p in params if not p.requires_grad and p.is_floating_point()]
     return (frozen or params)[0].dtype
@@ -71,10 +76,18 @@ def lr_lambda(schedule: str, warmup: int, total: int):
 
 
 class ActorWorker:
+    """The update on one data-parallel rank.
+
+    `parallel` (gerl/engine/parallel.py, given by the actor role when there are several actor ranks or
+    engine.fsdp): a callable (transformer, frozen reference or None) → DataParallel that applies torch's DDP/FSDP2
+    engine before the optimizer is built. `grad_sync`: a hook (params, loss_ok, grads_ok) → (loss_ok, grads_ok) called
+    before every optimizer step once the gradients are in (the data-parallel layer's `agree` by default; tests pass
+    observers)."""
+
     def __init__(self, transformer, train: TrainConfig, model: ModelConfig, sampling: SamplingConfig,
                  max_steps: int, images_per_step: int, seed: int, world: int = 1, grad_sync=None,
                  ratio_cap: float = 0.0, conventions: ConventionsConfig | None = None, algo: AlgoConfig | None = None,
-                 rank: int = 0):
+                 rank: int = 0, parallel=None):
         self.transformer, self.cfg, self.sampling, self.seed = transformer, train, sampling, seed
         self.rank = rank  # data-parallel rank: nft/awm draw their training noise per rank (gerl/workers/matching.py)
         self.conventions = conventions or ConventionsConfig()
@@ -87,12 +100,25 @@ class ActorWorker:
             transformer.requires_grad_(True)
         if model.gradient_checkpointing:  # diffusers recomputes each block in backward; inference is unaffected
             transformer.enable_gradient_checkpointing()
+        # Reference policy for the KL term (and dgpo's base reference): the adapter switched off (LoRA) or a frozen
+        # copy (full fine-tuning), copied before the data-parallel layer (a sharded module cannot be copied).
+        self.ref = None
+        needs_ref = train.beta > 0 or (self.algo.name == "dgpo" and self.algo.dgpo_reference == "base")
+        if needs_ref and not model.lora:
+            self.ref = copy.deepcopy(transformer).requires_grad_(False).eval()
+        # the data-parallel layer: replicas or shards over the actor ranks (gerl/engine/parallel.py), before any
+        # tensor below is taken from the parameters it replaces
+        self.dp = parallel(transformer, self.ref) if parallel is not None else None
         self.named_params = [(n, p) for n, p in transformer.named_parameters() if p.requires_grad]
-        self.params = [p for _, p in self.named_params]
+        self.model_params = [p for _, p in self.named_params]  # the trained weights the forward reads
+        # fp32 master weights for trained weights held in bf16/fp16 (gerl/workers/masters.py): what the optimizer,
+        # the clip, the EMA, the anchor and checkpoints see. Under the data-parallel layer the parameters are them.
+        self.masters = MasterWeights(self.model_params) if needs_masters(self.model_params) else None
+        self.params = self.masters.params if self.masters is not None else self.model_params
+        self.grad_sync = grad_sync if grad_sync is not None else (self.dp.agree if self.dp is not None else None)
         self.optimizer = torch.optim.AdamW(self.params, lr=train.learning_rate, betas=tuple(train.adam_betas),
                                            weight_decay=train.weight_decay, eps=train.adam_eps)
         self.mini = (train.mini_batch_size or images_per_step) // world  # samples per optimizer step on this rank
-        self.grad_sync = grad_sync  # data parallel: averages gradients across ranks before each optimizer step
         self._zero_fracs: list[float] = []  # grad_zero_fraction of each optimizer step since the last step_metrics
         # fp16 compute: dynamic loss scaling, or the gradients underflow to zero (gerl/workers/loss_scale.py)
         self.scaler = None
@@ -102,7 +128,7 @@ class ActorWorker:
         total = max_steps * train.inner_epochs * (images_per_step // (self.mini * world))
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(train.lr_schedule, train.warmup_steps, total))
-        self.ema = EMA(self.params, train.ema_decay) if train.ema_decay > 0 else None
+        self.ema = EMA(self.params, train.ema_decay, into=self.model_params) if train.ema_decay > 0 else None
         # Reference policy for the KL term (and dgpo's base reference): the adapter switched off (LoRA) or a frozen
         # copy (full fine-tuning).
         self.ref = None
@@ -135,7 +161,7 @@ class ActorWorker:
         if self.anchor is None:
             yield
             return
-        with swapped_in(self.params, self.anchor):
+        with swapped_in(self.model_params, self.anchor):
             yield
 
     @torch.no_grad()
@@ -146,39 +172,67 @@ class ActorWorker:
             t.mul_(d).add_(p.detach(), alpha=1 - d)
         return d
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """loss.backward(), through the loss scaler when the model computes in fp16."""
+    def backward(self, loss: torch.Tensor, last: bool = True) -> bool:
+        """loss.backward(), through the loss scaler when the model computes in fp16; `last`: the last backward
+        before the next optimizer step (the data-parallel layer reduces the accumulated gradients in it). Returns
+        whether the loss was finite. A non-finite loss goes backward only under the data-parallel layer, where
+        every rank's backwards carry its collectives in lockstep; its step is skipped on every rank anyway."""
+        finite = bool(torch.isfinite(loss))
+        if not finite and self.dp is None:
+            return False
+        if self.dp is not None:
+            self.dp.sync_gradients(last)
         (self.scaler.scale_loss(loss) if self.scaler is not None else loss).backward()
+        return finite
 
     def optimizer_step(self, loss_ok: bool) -> tuple[float | None, str | None]:
-        """After a mini-batch's backward passes: unscale (fp16), all-reduce over the data-parallel ranks, clip, step.
-        Unscaling comes before the all-reduce and the clip; every rank then agrees whether to step. Returns (the
-        gradient norm, None) for a step taken, or (None, "overflow" | "nonfinite") for one skipped."""
+        """After a mini-batch's backward passes (whose last reduced the gradients over the data-parallel ranks, in
+        fp32): unscale (fp16; the scale is the same on every rank, so unscaling the reduced gradient is unscaling
+        each rank's), agree over the ranks whether every loss and gradient was finite, clip by the total norm over
+        every rank's shards, step the fp32 masters and re-cast the model's weights from them. Returns (the gradient
+        norm, None) for a step taken, or (None, "overflow" | "nonfinite") for one skipped."""
         grads_ok = self.scaler.unscale_(self.params) if self.scaler is not None else True
         if self.grad_sync is not None:
             loss_ok, grads_ok = self.grad_sync(self.params, loss_ok, grads_ok)
         # partial fp16 underflow shows here long before the whole gradient is zero (logged as grad_zero_frac)
-        self._zero_fracs.append(grad_zero_fraction(self.params))
+        zeros, total = grad_zero_counts(self.params)
+        if self.dp is not None:
+            zeros, total = self.dp.sum([zeros, total])
+        self._zero_fracs.append(zeros / total if total else 0.0)
+        grads = [p.grad for p in self.params if p.grad is not None]  # none at all when every loss was NaN
         if self.cfg.max_grad_norm > 0:
             gn = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)
         else:
-            norms = [p.grad.norm() for p in self.params if p.grad is not None]  # none at all when every loss was NaN
-            gn = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
-        taken = loss_ok and grads_ok and bool(torch.isfinite(gn))
+            gn = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        gn = float(self.dp.full(gn) if self.dp is not None else gn)  # a DTensor norm over shards → its value
+        taken = loss_ok and grads_ok and math.isfinite(gn)
         if self.scaler is not None:
-            # only a step actually taken is evidence that the scale is safe (a non-finite loss is skipped too)
-            self.scaler.update(overflow=not grads_ok, clean=taken)
+            # only a step actually taken is evidence that the scale is safe; a non-finite loss (which the forward
+            # produced before any scaling) says nothing about it, even where its NaN gradient reached the reduction
+            self.scaler.update(overflow=loss_ok and not grads_ok, clean=taken)
         if not taken:
             # A non-finite loss or gradient: drop this optimizer step rather than poison the weights
             # (under fp16 loss scaling an overflow is expected now and then: the scale halves).
             self.optimizer.zero_grad(set_to_none=True)
             return None, "overflow" if loss_ok and not grads_ok and self.scaler is not None else "nonfinite"
         self.optimizer.step()
+        if self.masters is not None:
+            self.masters.to_model()
         self.lr_scheduler.step()
         if self.ema is not None:
             self.ema.update()
         self.optimizer_steps += 1
-        return float(gn), None
+        return gn, None
+
+    def mean_stats(self, sums: dict[str, float], count: int) -> dict[str, float]:
+        """Each logged statistic's mean over the micro-batches of every data-parallel rank: a run reads the same at
+        any world size."""
+        if self.dp is not None:
+            return self.dp.mean_stats(sums, count)
+        return {k: v / max(count, 1) for k, v in sums.items()}
+
+    def global_max(self, value: float) -> float:
+        return self.dp.max(value) if self.dp is not None else value
 
     def step_metrics(self, metrics: dict, grad_norms: list[float], skipped: dict[str, int], T: int) -> dict:
         """The metrics every update reports, whatever the algorithm."""
@@ -269,7 +323,8 @@ class ActorWorker:
         metrics: dict[str, float] = {}
         if cfg.recompute_old_log_probs:
             recomputed = self.recompute_log_probs(batch, plan)
-            metrics["old_log_prob_recompute_max_dev"] = float((recomputed - old).abs().max()) if old.numel() else 0.0
+            metrics["old_log_prob_recompute_max_dev"] = self.global_max(
+                float((recomputed - old).abs().max()) if old.numel() else 0.0)
             old = recomputed
         sums: dict[str, float] = {}
         count = 0
@@ -303,10 +358,10 @@ class ActorWorker:
                                                 cfg.loss, cfg.is_cap,
                                                 None if batch.rewards is None else batch.rewards[idx].to(device),
                                                 cfg.cispo_eps_low, cfg.cispo_eps_high, cfg.topr_split)
-                        if not torch.isfinite(loss):
+                        last = j == T - 1 and u0 + cfg.micro_batch_size >= len(mini)
+                        if not self.backward(loss / (n_micro * T), last):
                             finite = False
                             continue
-                        self.backward(loss / (n_micro * T))
                         if not stepped:
                             ratio = torch.exp(lp.detach() - old_lp)
                             max_dev = max(max_dev, float((ratio - 1).abs().max()))
@@ -320,15 +375,34 @@ class ActorWorker:
                     continue
                 grad_norms.append(gn)
                 stepped = True
-        metrics.update({k: v / max(count, 1) for k, v in sums.items()})
+        metrics.update(self.mean_stats(sums, count))
         # every loss non-finite before the first step: the ratio was never measured, and NaN (not 0) says so, so
         # that no "max |ratio - 1| <= bound" check passes on a run that computed nothing
-        metrics["ratio_max_dev_before_update"] = max_dev if ratio_seen else float("nan")
+        metrics["ratio_max_dev_before_update"] = self.global_max(max_dev if ratio_seen else float("nan"))
         return self.step_metrics(metrics, grad_norms, skipped, T)
 
     # ------------------------------------------------------------------ checkpoint state
+    def gather(self, tensors: list[torch.Tensor], dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+        """{name: whole tensor on the CPU in `dtype`} of the trained parameters' `tensors` (the masters, the EMA, the
+        anchor). Under shards every rank must call it (one all-gather per tensor) and only data-parallel rank 0
+        keeps the result: the others get {} (replicas each hold the whole). On the CPU in fp32 a tensor is handed
+        back itself, not copied."""
+        keep = self.dp is None or not self.dp.sharded or self.dp.rank == 0
+        out = {}
+        for (n, _), t in zip(self.named_params, tensors):
+            whole = self.dp.full(t.detach()) if self.dp is not None else t.detach()
+            if keep:
+                out[n] = whole.to(dtype).cpu().contiguous()
+        return out
+
     def trainable_state(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach().float().cpu().contiguous() for n, p in self.named_params}
+        """The trained weights by name, fp32 (the masters when the model holds bf16/fp16)."""
+        return self.gather(self.params)
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The dtype a rollout holds the trained weights in: a LoRA adapter's fp32, else the model's compute dtype."""
+        return torch.float32 if self.lora else compute_dtype(self.transformer)
 
     @property
     def samples_with_anchor(self) -> bool:
@@ -339,12 +413,14 @@ class ActorWorker:
             return 0 <= a.dgpo_sample_anchor_after < self.optimizer_steps
         return a.name == "nft"
 
+    def sampling_tensors(self) -> list[torch.Tensor]:
+        """What rollouts generate with: the anchor for nft (and dgpo after its switch), else the trained weights."""
+        return self.anchor if self.samples_with_anchor else self.params
+
     def sampling_state(self) -> dict[str, torch.Tensor]:
-        """The tensors rollouts generate with (by name, fp32, CPU): the anchor for nft (and dgpo after its switch),
-        else the trained ones."""
-        if not self.samples_with_anchor:
-            return self.trainable_state()
-        return {n: a.detach().float().cpu().contiguous() for (n, _), a in zip(self.named_params, self.anchor)}
+        """`sampling_tensors` by name on the CPU, in the dtype the rollouts hold them in (`weight_dtype`: the values
+        the model computes with, at half the bytes of fp32 for bf16 weights)."""
+        return self.gather(self.sampling_tensors(), self.weight_dtype)
 
     def sampling_policy(self):
         """Context for a rollout that shares this transformer (local engine, hybrid hosts): its weights are the
@@ -352,18 +428,28 @@ class ActorWorker:
         return self.anchor_swapped() if self.samples_with_anchor else contextlib.nullcontext()
 
     def anchor_state(self) -> dict[str, torch.Tensor]:
-        return {n: a.detach().float().cpu().contiguous() for (n, _), a in zip(self.named_params, self.anchor or [])}
+        return self.gather(self.anchor or [])
+
+    def ema_state(self) -> dict[str, torch.Tensor]:
+        return self.gather(self.ema.shadow if self.ema is not None else [])
+
+    @torch.no_grad()
+    def load_state(self, targets: list[torch.Tensor], state: dict[str, torch.Tensor]) -> None:
+        """Write whole tensors by name (every rank holds them) into `targets` (the masters, the EMA, the anchor)."""
+        for (n, _), t in zip(self.named_params, targets):
+            if self.dp is not None:
+                self.dp.load_full(t, state[n])
+            else:
+                t.copy_(state[n].to(t.dtype))
 
     def load_anchor_state(self, state: dict[str, torch.Tensor]) -> None:
-        with torch.no_grad():
-            for (n, _), a in zip(self.named_params, self.anchor):
-                a.copy_(state[n].to(a.dtype))
+        self.load_state(self.anchor, state)
 
     def load_trainable_state(self, state: dict[str, torch.Tensor]) -> None:
         names = {n for n, _ in self.named_params}
         if set(state) != names:
             raise ValueError(f"checkpoint parameters do not match this model ({len(state)} vs {len(names)} tensors); "
                              "resume with the same model and LoRA settings")
-        with torch.no_grad():
-            for n, p in self.named_params:
-                p.copy_(state[n].to(p.dtype))
+        self.load_state(self.params, state)
+        if self.masters is not None:
+            self.masters.to_model()

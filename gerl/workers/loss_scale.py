@@ -1,5 +1,6 @@
 """Dynamic loss scaling for fp16 weights: torch.amp.GradScaler's rule, written out so that data-parallel ranks
-unscale *before* they all-reduce and agree on every skipped step.
+agree on every skipped step. The gradients are reduced over the ranks in the backward (fp32, gerl/engine/parallel.py)
+and unscaled after it: the same as unscaling first, since every rank holds the same scale.
 
 Why fp16 needs it: a step's log-prob is a mean over the latent's elements (16 × 64 × 64 at 512 px), so the
 gradient reaching the transformer's fp16 output is ~1e-9–1e-8 per element, below fp16's smallest subnormal
@@ -35,7 +36,8 @@ class DynamicLossScaler:
             raise ValueError("fp16 gradients cannot be unscaled without losing them again; train fp32 master "
                              "weights (LoRA adapters are kept in fp32)")
         torch._foreach_mul_(grads, 1.0 / self.scale)
-        return bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
+        # this rank's part of each gradient: the data-parallel layer agrees over the ranks afterwards
+        return bool(torch.stack([torch.isfinite(_local(g)).all() for g in grads]).all())
 
     def update(self, overflow: bool, clean: bool = True) -> None:
         """After each optimizer step (taken or skipped): back off on an overflow, grow after a clean stretch.
@@ -61,13 +63,23 @@ class DynamicLossScaler:
         self.overflows = int(state.get("overflows", 0))
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor the data-parallel layer shards or replicates (a DTensor); the tensor itself
+    otherwise."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 @torch.no_grad()
+def grad_zero_counts(params: list[torch.nn.Parameter]) -> tuple[int, int]:
+    """(exactly-zero trainable gradient entries, all entries) on this rank; a parameter without a gradient counts as
+    all zeros. fp16 underflow flushes single entries to zero: a rising fraction shows partial underflow on a real
+    run, long before the whole gradient (and grad_norm) is zero. The data-parallel layer sums both over the ranks."""
+    total = sum(_local(p).numel() for p in params)
+    nonzero = [torch.count_nonzero(_local(p.grad)) for p in params if p.grad is not None]
+    return total - (int(torch.stack(nonzero).sum()) if nonzero else 0), total
+
+
 def grad_zero_fraction(params: list[torch.nn.Parameter]) -> float:
-    """Fraction of the trainable gradient entries that are exactly zero (a parameter without a gradient counts as
-    all zeros). fp16 underflow flushes single entries to zero: a rising fraction shows partial underflow on a real
-    run, long before the whole gradient (and grad_norm) is zero."""
-    total = sum(p.numel() for p in params)
-    if total == 0:
-        return 0.0
-    nonzero = [torch.count_nonzero(p.grad) for p in params if p.grad is not None]
-    return 1.0 - (float(torch.stack(nonzero).sum()) / total if nonzero else 0.0)
+    """The fraction of `grad_zero_counts` on one process."""
+    zeros, total = grad_zero_counts(params)
+    return zeros / total if total else 0.0

@@ -126,10 +126,9 @@ def matching_update(actor, batch, advantages: torch.Tensor, step: int, reuse_tra
                     else:
                         loss, stats = _nft_awm_loss(actor, batch, idx, j, epoch, (x0, eps, sigma, x_t, t, embeds), adv,
                                                     w, old_lp, reuse_training_forward and not stepped, g)
-                    if not torch.isfinite(loss):
+                    if not actor.backward(loss / (len(micros) * K), last=j == K - 1 and idx is micros[-1]):
                         finite = False
                         continue
-                    actor.backward(loss / (len(micros) * K))
                     for key, val in stats.items():
                         sums[key] = sums.get(key, 0.0) + float(val)
                     count += 1
@@ -139,8 +138,7 @@ def matching_update(actor, batch, advantages: torch.Tensor, step: int, reuse_tra
                 continue
             grad_norms.append(gn)
             stepped = True
-    metrics = {k: v / max(count, 1) for k, v in sums.items()}
-    return actor.step_metrics(metrics, grad_norms, skipped, K)
+    return actor.step_metrics(actor.mean_stats(sums, count), grad_norms, skipped, K)
 
 
 def _nft_awm_loss(actor, batch, idx, j, epoch, pt, adv, w, old_lp, reuse: bool, g: float):

@@ -41,8 +41,8 @@ def test_each_map_gives_the_devices_the_backends_they_need():
 
 def _rank(rank: int, store: str, out: str) -> None:
     """One of two data-parallel ranks: the rehearsed pure-NCCL group refuses the CPU flag; the mapped group carries
-    it and averages the gradients (Host._grad_sync, as the actor's optimizer step calls it)."""
-    from gerl.engine.host import Host
+    it (DataParallel.agree, as the actor's optimizer step calls it once the engine has reduced the gradients)."""
+    from gerl.engine.parallel import DataParallel
 
     dist.init_process_group(gdist.backend_map(gpu=True, rehearse=True), init_method=f"file://{store}", rank=rank,
                             world_size=2)
@@ -53,28 +53,27 @@ def _rank(rank: int, store: str, out: str) -> None:
             refused = ""
         except RuntimeError as e:
             refused = str(e)
-        host = Host.__new__(Host)  # no Ray, no model: only the gradient sync under test
-        host.dp_group = gdist.new_group([0, 1], gdist.backend_map(gpu=True, rehearse=True))
-        a, b = torch.zeros(2, requires_grad=True), torch.zeros(1, requires_grad=True)
-        # rank 0: finite loss, grads (1, 2), no grad for b; rank 1: non-finite loss, grads (3, 6) and (4)
-        a.grad = torch.tensor([1.0, 2.0]) if rank == 0 else torch.tensor([3.0, 6.0])
-        b.grad = None if rank == 0 else torch.tensor([4.0])
-        loss_ok, grads_ok = host._grad_sync([a, b], loss_ok=rank == 0, grads_ok=True)
+        group = gdist.new_group([0, 1], gdist.backend_map(gpu=True, rehearse=True))
+        dp = DataParallel(group=group, mesh=None, sharded=False, module=None, compute_dtype=torch.float32)
+        # rank 0: finite loss, rank 1: non-finite loss; rank 1 alone saw a non-finite gradient in its shard
+        loss_ok, grads_ok = dp.agree([], loss_ok=rank == 0, grads_ok=rank == 0)
+        stats = dp.mean_stats({"policy_loss": 1.0 + rank, **({"kl": 4.0} if rank else {})}, count=1 + rank)
         with open(f"{out}/{rank}.json", "w") as f:
-            json.dump({"refused": refused, "loss_ok": loss_ok, "grads_ok": grads_ok, "a": a.grad.tolist(),
-                       "b": b.grad.tolist()}, f)
+            json.dump({"refused": refused, "loss_ok": loss_ok, "grads_ok": grads_ok, "stats": stats,
+                       "max": dp.max(float(rank))}, f)
     finally:
         dist.destroy_process_group()
 
 
 def test_two_ranks_refuse_the_cpu_flag_on_pure_nccl_and_agree_on_the_gpu_map(tmp_path):
     """The reviewer's crash (`No backend type associated with device type cpu`) reproduced without a GPU, and the
-    fix at work between two processes: both skip the step rank 1 could not take, and hold the mean gradient."""
+    fix at work between two processes: both skip the step rank 1 could not take, and log the means over both
+    ranks' micro-batches (rank 0's one micro-batch sums to policy_loss 1, rank 1's two to 2 and to kl 4)."""
     # fork: the ranks inherit the imported torch instead of importing it again (seconds on a busy machine); they
     # touch only tiny CPU tensors and leave through os._exit, so nothing of this process (Ray, atexit) runs in them
     mp.start_processes(_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, start_method="fork")
     got = [json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1)]
     for g in got:
         assert "No backend type associated with device type cpu" in g["refused"]
-        assert g["loss_ok"] is False and g["grads_ok"] is True  # one rank's bad loss stops both
-        assert g["a"] == [2.0, 4.0] and g["b"] == [2.0]  # ((1, 2) + (3, 6)) / 2; (0 + 4) / 2
+        assert g["loss_ok"] is False and g["grads_ok"] is False  # one rank's bad loss or gradient stops both
+        assert g["stats"] == {"policy_loss": 1.0, "kl": 4.0 / 3} and g["max"] == 1.0  # (1 + 2) / 3; 4 / 3
