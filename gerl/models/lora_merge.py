@@ -100,6 +100,12 @@ def _stamp(m) -> tuple:
             *(m.scaling[n] for n in names))
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A replicated adapter tensor (the data-parallel layer's DTensor between steps) as the plain tensor it holds
+    whole on every rank; any other tensor as it is."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 @torch.no_grad()
 def _merge(m) -> None:
     """W_m = W0 + Σ s·B·A summed in fp32 (the adapter's dtype when wider), rounded once, written in place when the
@@ -113,7 +119,7 @@ def _merge(m) -> None:
     acc = torch.float64 if torch.float64 in (w.dtype, *(t.dtype for t in m.parameters())) else torch.float32
     total = w.to(acc, copy=True)
     for a in names:
-        total.addmm_(m.lora_B[a].weight.to(acc), m.lora_A[a].weight.to(acc), alpha=m.scaling[a])
+        total.addmm_(_local(m.lora_B[a].weight).to(acc), _local(m.lora_A[a].weight).to(acc), alpha=m.scaling[a])
     buf = m._buffers.get("merged_weight")
     if buf is not None and buf.shape == total.shape and buf.dtype == w0.dtype and buf.device == w0.device:
         buf.copy_(total)

@@ -79,8 +79,13 @@ def _rank(rank: int, store: str, out: str, case: str) -> None:
     try:
         torch.set_num_threads(1)
         lora, shard, dtype = {"shard": (False, True, torch.float32), "replicate-lora": (True, False, torch.float32),
+                              "replicate-merged": (True, False, torch.float32),
                               "shard-lora": (True, True, torch.float32), "shard-bf16": (False, True, torch.bfloat16)}[case]
         tr = _transformer(lora, dtype)
+        if case == "replicate-merged":  # model.merge_lora's layers under replicas (the roles merge before parallelize)
+            from gerl.models.lora_merge import use_merged_lora
+
+            use_merged_lora(tr)
         plain = copy.deepcopy(tr)  # the unsharded model, for the bf16 forward parity
         dp = parallel.parallelize(tr, None, group=dist.group.WORLD, shard=shard, dtype=dtype, lora=lora)
         params = [p for p in tr.parameters() if p.requires_grad]
@@ -96,7 +101,13 @@ def _rank(rank: int, store: str, out: str, case: str) -> None:
             res["masters_moved"] = sum(int((a != b).sum()) for a, b in zip(after, before))
             res["bf16_moved"] = sum(int((a.bfloat16() != b.bfloat16()).sum()) for a, b in zip(after, before))
         else:
+            if case == "replicate-merged":
+                with torch.no_grad():
+                    res["out_before"] = _loss_out(tr, dtype)
             res.update(_step(tr, params, [2 * rank, 2 * rank + 1], dtype, dp))
+            if case == "replicate-merged":  # the next forward re-merges the stepped adapter (the root's hook)
+                with torch.no_grad():
+                    res["out_after"] = _loss_out(tr, dtype)
         if rank == 0:
             torch.save(res, out)
     finally:
@@ -120,13 +131,18 @@ def _two_ranks(tmp_path, case: str) -> dict:
     return torch.load(out)
 
 
-@pytest.mark.parametrize("case, lora", [("shard", False), ("replicate-lora", True), ("shard-lora", True)])
+@pytest.mark.parametrize("case, lora", [("shard", False), ("replicate-lora", True), ("shard-lora", True),
+                                        ("replicate-merged", True)])
 def test_two_ranks_accumulate_then_reduce_to_the_one_process_gradient(tmp_path, case, lora):
     """Broken versions this catches: sharding the root only (blocks not managed, and a rank holds more than its
     half), reducing on every backward (a gradient exists before the last one: accumulation without no_sync),
     never reducing or summing instead of averaging (the gradients differ from one process's)."""
     got = _two_ranks(tmp_path, case)
     tr = _transformer(lora)
+    if case == "replicate-merged":  # against one process on the same merged layers (a re-merge after its step too)
+        from gerl.models.lora_merge import use_merged_lora
+
+        use_merged_lora(tr)
     params = [p for p in tr.parameters() if p.requires_grad]
     ref = _step(tr, params, list(range(B)), torch.float32)
     assert got["blocks_managed"]
@@ -141,6 +157,11 @@ def test_two_ranks_accumulate_then_reduce_to_the_one_process_gradient(tmp_path, 
     # fraction of lr that the gradient's last bits decide)
     for w, r in zip(got["weights"], ref["weights"]):
         torch.testing.assert_close(w, r, rtol=0, atol=1e-5)
+    if case == "replicate-merged":  # a stale merged weight (no re-merge after the replicated step) fails here
+        with torch.no_grad():
+            ref_after = _loss_out(tr, torch.float32)
+        moved = (got["out_before"] - ref_after).abs().max()
+        assert (got["out_after"] - ref_after).abs().max() < 1e-3 * moved, moved
 
 
 def test_bf16_shards_keep_fp32_masters_and_compute_as_the_bf16_model(tmp_path):
