@@ -244,8 +244,10 @@ def test_fsdp_refuses_what_it_does_not_shard_yet():
     assert load_config(None, [*ray, "engine.schedule=async"]).engine.fsdp
     with pytest.raises(UserError, match="engine.fsdp=true with engine.schedule=stream is not supported"):
         load_config(None, [*ray, "engine.schedule=stream"])
-    with pytest.raises(UserError, match="sampling.merge_lora=true merges the adapter into base weights that engine.fsdp"):
-        load_config(None, ["engine.fsdp=true", "sampling.merge_lora=true"])
+    with pytest.raises(UserError, match="model.merge_lora=true merges the adapter into base weights that engine.fsdp"):
+        load_config(None, ["engine.fsdp=true", "model.merge_lora=true"])
+    with pytest.raises(UserError, match="model.compile=true with engine.fsdp=true is not supported"):
+        load_config(None, ["engine.fsdp=true", "model.compile=true"])
 
 
 def test_fractional_gpu_hosts_are_accepted_and_fp16_full_fine_tuning_is_not():
