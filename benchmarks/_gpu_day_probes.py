@@ -138,9 +138,11 @@ def rendered_targets(prompts, size: int):
 
 
 def ocr(ctx) -> None:
-    """The OCR reward (rapidocr, PP-OCR ONNX, on the CPU) on 64 prompts' target text rendered at 512² (64 px on a
-    rehearsal), scored by RewardSet as a step scores them: one submit per micro-batch of 8, with 2, 4 and 8 workers
-    (threads); images/s and the mean reward (≈ 1 when the OCR reads what was drawn)."""
+    """The OCR reward (rapidocr, PP-OCR ONNX, on the CPU) on 64 prompts' target text rendered at 512² (16 at 256 px on
+    a rehearsal), scored by RewardSet as a step scores them: one submit per micro-batch of 8, with 2, 4, 8 and 15
+    worker threads (1 and 2 on a rehearsal), each micro-batch split over the workers (reward.split) or not; images/s,
+    one micro-batch's wait alone (what the GPU idles on after the last one) and the mean reward (≈ 1 when the OCR
+    reads what was drawn)."""
     from pathlib import Path
 
     from gerl.config import RewardConfig, reward_components
@@ -149,15 +151,16 @@ def ocr(ctx) -> None:
     from rewards.registry import build_reward
 
     repo = Path(__file__).resolve().parents[1]
-    n, size = (16, 64) if ctx.rehearse else (64, 512)
+    n, size = (16, 256) if ctx.rehearse else (64, 512)
     prompts = load_prompts(repo / "assets/ocr/train.txt")[:n]
     images = rendered_targets(prompts, size)
     texts, meta = [p.text for p in prompts], [dict(p.metadata) for p in prompts]
     ctx.numbers["settings"] = {"images": n, "size": size, "micro_batch": 8, "pool": "thread",
-                               "render": "PIL default font, black on white, centred", "reps": 2}
+                               "render": "PIL default font, black on white, centred", "reps": 2,
+                               "split": "reward.split: each micro-batch over the workers, or one call per micro-batch"}
     rows = []
-    for workers in (2, 4, 8):
-        comps = reward_components(RewardConfig(name="ocr", workers=workers))
+    for workers, split in [(w, s) for w in ((1, 2) if ctx.rehearse else (2, 4, 8, 15)) for s in (False, True)]:
+        comps = reward_components(RewardConfig(name="ocr", workers=workers, split=split))
         rs = RewardSet(comps, [build_reward(c.name, c.kwargs) for c in comps], 300.0, 0, 0.5)
         try:
             rs.gather([rs.submit(images[:8], texts[:8], meta[:8])])  # warm-up: the models load in each worker
@@ -166,9 +169,14 @@ def ocr(ctx) -> None:
                 t0 = time.perf_counter()
                 res = rs.gather([rs.submit(images[i:i + 8], texts[i:i + 8], meta[i:i + 8]) for i in range(0, n, 8)])
                 times.append(time.perf_counter() - t0)
+            # what a step waits on its last micro-batch: one micro-batch alone in an idle pool
+            last = time.perf_counter()
+            rs.gather([rs.submit(images[8:16], texts[8:16], meta[8:16])])
+            last = time.perf_counter() - last
         finally:
             rs.close()
-        rows.append({"workers": workers, "images_per_s": n / statistics.median(times), "times_s": times,
+        rows.append({"workers": workers, "split": split, "images_per_s": n / statistics.median(times),
+                     "times_s": times, "one_micro_batch_s": last,
                      "reward_mean": float(res.total.nan_to_num(0.0).mean())})
         ctx.numbers["rows"] = rows
         ctx.save()

@@ -133,7 +133,8 @@ class RewardComponent:
     normalize: Literal["none", "zscore", "scale"] = "none"  # per-step z-score over the batch, or multiply by `scale`, before weighting
     scale: float = 1.0  # used by normalize=scale
     pool: Literal["thread", "process", "ray"] = "thread"  # threads for I/O-bound calls (HTTP) or GIL-free libraries; processes for CPU-bound Python; Ray actors (replicas with their own CPU/GPU)
-    workers: int = 1  # pool size (replicas) for this component
+    workers: int = 0  # pool size (replicas) for this component; 0 = auto: one per CPU this process may run on, less the one that drives generation (os.sched_getaffinity: a Ray host's pinned share), at least 1 — pool=ray: 1
+    split: bool = True  # a reward that scores each image on its own (it says so: per_sample, e.g. ocr) gets each micro-batch split over the pool's workers, so the last micro-batch's scores come back in 1/workers of the time; false = one call per micro-batch
     num_cpus: float = 1.0  # pool=ray: CPUs reserved by each replica
     num_gpus: float = 0.0  # pool=ray: GPUs reserved by each replica (e.g. 1 for an OCR or VLM model on its own GPU)
 
@@ -143,7 +144,8 @@ class RewardConfig:
     name: str = "ocr"  # single-reward shorthand: registered name, entry point, or package.module:callable ("" when using components)
     kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the reward factory
     pool: Literal["thread", "process", "ray"] = "thread"  # where the single reward's calls run (components set their own)
-    workers: int = 1  # pool size for the single reward
+    workers: int = 0  # pool size for the single reward (0 = auto, as reward.components[].workers)
+    split: bool = True  # split each micro-batch of a per-sample reward over the pool's workers (as reward.components[].split)
     components: list[RewardComponent] = field(default_factory=list)  # several weighted rewards; replaces name/kwargs when given
     with_reward: bool = True  # submit each decoded micro-batch's reward as a future and keep generating
     timeout_s: float = 120.0  # per call of a reward on one micro-batch; a call past it counts as a timeout and is retried
@@ -580,7 +582,7 @@ RANGES: dict[str, Range] = {
     "train.max_grad_norm": _ge(0, "0 = no clipping"),
     "train.tracker_buffer": _ge(2, "a std needs ≥ 2 rewards"),
     "train.ema_decay": Range(0, 1, hi_open=True),
-    "reward.workers": _ge(1),
+    "reward.workers": _ge(0),
     "reward.timeout_s": _gt(0),
     "reward.retries": _ge(0),
     "reward.retry_backoff_s": _ge(0),
@@ -588,7 +590,7 @@ RANGES: dict[str, Range] = {
     "reward.failure_score": FINITE,
     "reward.components[].weight": FINITE,
     "reward.components[].scale": FINITE,
-    "reward.components[].workers": _ge(1),
+    "reward.components[].workers": _ge(0),
     "reward.components[].num_cpus": _ge(0),
     "reward.components[].num_gpus": _ge(0),
     "validation.every": _ge(-1, "0 = only at the end, -1 = never"),
@@ -833,7 +835,8 @@ def _dgpo_relations(cfg: Config) -> list[str]:
 
 def reward_components(r: RewardConfig) -> list[RewardComponent]:
     """The rewards to run: the components, or the single-reward shorthand as one component of weight 1."""
-    return list(r.components) or [RewardComponent(name=r.name, kwargs=r.kwargs, pool=r.pool, workers=r.workers)]
+    return list(r.components) or [RewardComponent(name=r.name, kwargs=r.kwargs, pool=r.pool, workers=r.workers,
+                                                  split=r.split)]
 
 
 def derived_sizes(cfg: Config, trained_steps: int) -> dict[str, int]:

@@ -157,6 +157,7 @@ class OcrReward:
     """
 
     name = "ocr"
+    per_sample = True  # each image is scored on its own: a micro-batch may be split over the reward's workers
 
     def __init__(
         self,

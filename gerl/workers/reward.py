@@ -157,14 +157,64 @@ class _RayPool:
             self.ray.kill(r)
 
 
+def auto_workers(pool: str) -> int:
+    """reward.workers=0: one worker per CPU this process may run on (its affinity: a Ray host's pinned share of the
+    node), less the one that drives generation, at least 1; a Ray pool's replicas reserve their own CPUs: 1."""
+    if pool == "ray":
+        return 1
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cpus - 1)
+
+
+def chunks(n: int, parts: int) -> list[slice]:
+    """`n` samples cut into min(parts, n) contiguous slices whose sizes differ by at most one."""
+    parts = max(1, min(parts, n))
+    bounds = [n * i // parts for i in range(parts + 1)]
+    return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+class JoinedFuture:
+    """The futures of one micro-batch's split calls, as one: its result is their CallResults joined in sample order
+    (scores, failures and per-sample extras concatenated, counts and compute time summed, the first error kept)."""
+
+    def __init__(self, parts: list[Future]):
+        self.parts = parts
+
+    def result(self, timeout: float | None = None) -> CallResult:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        results = [p.result(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+                   for p in self.parts]
+        out = CallResult([s for r in results for s in r.scores], [f for r in results for f in r.failed])
+        for r in results:
+            for k, v in r.extras.items():
+                out.extras.setdefault(k, []).extend(v if isinstance(v, list) else [v] * len(r.scores))
+            for k in ("compute_s", "retries", "timeouts", "errors", "nonfinite"):
+                setattr(out, k, getattr(out, k) + getattr(r, k))
+            out.last_error = out.last_error or r.last_error
+        out.start = min((r.start for r in results if r.start), default=0.0)
+        out.end = max(r.end for r in results)
+        out.worker = f"{results[0].worker}+{len(results) - 1}" if len(results) > 1 else results[0].worker
+        return out
+
+    def cancel(self) -> bool:
+        return all([p.cancel() for p in self.parts])
+
+
 class RewardExecutor:
-    """Runs one reward callable in a thread, process or Ray-actor pool. `submit` → Future[CallResult]."""
+    """Runs one reward callable in a thread, process or Ray-actor pool. `submit` → Future[CallResult].
+
+    With `split` and a reward that scores each image on its own (`per_sample = True` on the callable, as the OCR
+    reward declares), a micro-batch is cut into one call per worker: its scores are back when the slowest slice
+    is, not after the whole micro-batch ran in one worker (the last micro-batch's wait is what the GPU idles on)."""
 
     def __init__(self, fn, pool: str = "thread", workers: int = 1, timeout_s: float = 120.0, retries: int = 2,
-                 backoff_s: float = 0.5, num_cpus: float = 1.0, num_gpus: float = 0.0):
+                 backoff_s: float = 0.5, num_cpus: float = 1.0, num_gpus: float = 0.0, split: bool = False):
         if pool not in ("thread", "process", "ray"):
             raise ValueError(f"unknown reward pool {pool!r}; choose thread, process or ray")
+        workers = workers or auto_workers(pool)
         self.fn, self.pool_kind, self.workers = fn, pool, workers
+        # Ray replicas are replaced by the future that failed: one call, one replica
+        self.split = split and pool != "ray" and workers > 1 and bool(getattr(fn, "per_sample", False))
         self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
         self.num_cpus, self.num_gpus = num_cpus, num_gpus
         self.worker_restarts = 0
@@ -186,7 +236,15 @@ class RewardExecutor:
         backoff = sum(self.backoff_s * 2**i for i in range(self.retries))
         return (self.retries + 1) * self.timeout_s + backoff + 30.0
 
-    def submit(self, images, prompts, metadata) -> Future:
+    def submit(self, images, prompts, metadata) -> Future | JoinedFuture:
+        if self.split and len(images) > 1:
+            fut = JoinedFuture([self._submit(images[sl], prompts[sl], metadata[sl])
+                                for sl in chunks(len(images), self.workers)])
+            fut.gerl_n, fut.gerl_submitted = len(images), fut.parts[0].gerl_submitted
+            return fut
+        return self._submit(images, prompts, metadata)
+
+    def _submit(self, images, prompts, metadata) -> Future:
         fn = self.fn if self.pool_kind == "thread" else None
         args = (fn, images, prompts, metadata, self.timeout_s, self.retries, self.backoff_s)
         with self._lock:
@@ -257,7 +315,8 @@ class RewardSet:
         self.specs = components
         self.names = _unique_names([c.name.rsplit(":", 1)[-1].rsplit(".", 1)[-1] for c in components])
         self.executors = [RewardExecutor(fn, c.pool, c.workers, timeout_s, retries, backoff_s,
-                                         getattr(c, "num_cpus", 1.0), getattr(c, "num_gpus", 0.0))
+                                         getattr(c, "num_cpus", 1.0), getattr(c, "num_gpus", 0.0),
+                                         getattr(c, "split", False))
                           for c, fn in zip(components, fns)]
 
     def submit(self, images, prompts, metadata) -> list[Future]:
