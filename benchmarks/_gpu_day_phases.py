@@ -310,31 +310,12 @@ def train_plan(ctx: Ctx, images: int) -> dict:
 
 
 def variants(ctx: Ctx, names: tuple[str, ...]) -> None:
-    """Whole steps of each named variant (benchmarks/_gpu_day_step.py), saved as each ends; with the attention
-    backend the rollout phase found fastest on this machine when it ran in this call."""
-    from _gpu_day_step import LEVERS, whole_step
+    """Whole steps of each named variant (benchmarks/_gpu_day_step.py), saved as each ends."""
+    from _gpu_day_step import whole_step
 
-    best = attention_measured(ctx.out)
     for name in names:
-        extra = [f"model.attention_backend={best}"] if best and any(k in LEVERS for k in variant_keys(name)) else []
-        ctx.numbers[name] = whole_step(ctx, name, extra)
+        ctx.numbers[name] = whole_step(ctx, name)
         ctx.save()
-
-
-def variant_keys(name: str) -> list[str]:
-    from _gpu_day_step import VARIANTS
-
-    return VARIANTS[name][1]
-
-
-def attention_measured(out: Path) -> str | None:
-    """The fastest attention backend of this call's rollout phase (gpu_day.json, rewritten after each phase)."""
-    import json
-
-    try:
-        return json.loads((out / "gpu_day.json").read_text())["phases"]["rollout"]["attention"]["best"]
-    except (OSError, KeyError, TypeError, ValueError):
-        return None
 
 
 @phase("step8", cap_s=200, rehearse_cap_s=150, h100_estimate_s=110, needs=("torch", "diffusers", "rapidocr"), call=1,

@@ -27,9 +27,8 @@ GERL_REHEARSE = ["data.group_size=4", "train.mini_batch_size=4", "train.micro_ba
 PER_GPU_8 = ["data.prompts_per_step=1", "train.mini_batch_size=4", "train.micro_batch_size=4"]
 PER_GPU_8_REHEARSE = ["data.group_size=4", "train.mini_batch_size=2", "train.micro_batch_size=2",
                       "sampling.micro_batch_size=4", "sampling.num_steps=6"]
-# every lever that keeps the ratio exact (docs/architecture.md, "Speed levers"; reward.workers=0: a worker per CPU
-# of the host, each micro-batch split over them); the attention backend is the
-# fastest one the rollout phase measured on this machine (gpu_day passes it in GERL_GPU_DAY_ATTENTION)
+# every lever that keeps the ratio exact (docs/architecture.md, "Speed levers"), and reward.workers=0 (a worker per
+# CPU of the host, each micro-batch split over them); attention stays sdpa (cudnn was no faster compiled on an H200)
 LEVERS = ["model.merge_lora=true", "model.compile=true", "model.vae_dtype=bf16", "reward.workers=0"]
 BF16 = ["model.dtype=bf16"]
 # name: (recipe, overrides, overrides added under --rehearse, timed steps)

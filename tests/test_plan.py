@@ -17,7 +17,7 @@ from gerl.models import sd35_arch
 from gerl.models.loader import add_lora
 from gerl.plan import format_plan, plan_for_config, role_names
 from gerl.plan.arch import module_from_config
-from gerl.plan.count import StorageCounter, fake_mode, fakeify, peak_bytes
+from gerl.plan.count import StorageCounter, fake_mode, peak_bytes
 from gerl.plan.planner import FRAGMENTATION, RESERVE_GIB, TRAIN
 
 REPO = Path(__file__).resolve().parents[1]

@@ -54,7 +54,7 @@ def training_points(actor, batch, step: int, epoch: int) -> tuple[torch.Tensor, 
     of calls, so a no-grad pass and the training loop see the same points, and a resumed run the same as an
     uninterrupted one."""
     s, a = actor.sampling, actor.algo
-    B, K = len(batch), actor.train_timesteps
+    K = actor.train_timesteps
     n, key = batch.schedule.num_steps, (actor.seed, step, actor.rank, epoch)
     gens = [torch.Generator().manual_seed(point_seed(*key, "sample", i)) for i in range(B)]
     if a.timesteps == "random":
@@ -94,7 +94,7 @@ def matching_update(actor, batch, advantages: torch.Tensor, step: int, reuse_tra
     takes every AWM old log-prob from the no-grad pass, and every DGPO margin from its no-grad pass (the controls
     that tests and benchmarks/bench_awm_old_pass.py compare with); the result is the same."""
     cfg, a = actor.cfg, actor.algo
-    B, K = len(batch), actor.train_timesteps
+    K = actor.train_timesteps
     device = next(actor.transformer.parameters()).device
     old_lp = _awm_old_log_probs(actor, batch, step, reuse_training_forward) if a.name == "awm" else None
     weight = batch.stale_weight  # (B,) or None: a stale group's samples count less in the policy loss
