@@ -54,7 +54,7 @@ def training_points(actor, batch, step: int, epoch: int) -> tuple[torch.Tensor, 
     of calls, so a no-grad pass and the training loop see the same points, and a resumed run the same as an
     uninterrupted one."""
     s, a = actor.sampling, actor.algo
-    K = actor.train_timesteps
+    B, K = len(batch), actor.train_timesteps
     n, key = batch.schedule.num_steps, (actor.seed, step, actor.rank, epoch)
     gens = [torch.Generator().manual_seed(point_seed(*key, "sample", i)) for i in range(B)]
     if a.timesteps == "random":
