@@ -68,6 +68,7 @@ class SamplingConfig:
     timestep_fraction: float = 1.0  # fraction of the recorded steps trained per sample (random subset; Flow-GRPO uses 0.99)
     micro_batch_size: int = 8  # images denoised together; each decoded micro-batch's reward is submitted at once
     init_same_noise: bool = False  # a group's images start from one initial noise (DanceGRPO's init_same_noise): only the SDE window's noise differs
+    reuse_velocity_steps: list[int] = field(default_factory=list)  # lossy step caching for the rollouts of nft/awm/dgpo, which read no rollout log-probs: at these schedule indices (1 … num_steps − 1) the ODE step takes the previous step's velocity, with no transformer call (each index saves one forward, × 2 with CFG); flow_grpo refuses it (its ratio compares the rollout's log-probs with the replay's). Validation and `gerl sample`/`eval` never skip
 
 
 @dataclass
@@ -550,6 +551,7 @@ RANGES: dict[str, Range] = {
     "sampling.noise_level": _gt(0),  # the upper bound depends on the sampler: see _relations
     "sampling.sde_window_size": _ge(0, "0 = Flow-GRPO, all steps"),
     "sampling.sde_window_range": _ge(0),
+    "sampling.reuse_velocity_steps": _ge(1, "step 0 has no velocity to reuse"),
     "sampling.timestep_fraction": Range(0, 1, lo_open=True),
     "sampling.micro_batch_size": _ge(1),
     "algo.train_timesteps": _ge(0, "0 = sampling.num_steps × sampling.timestep_fraction"),
@@ -709,6 +711,14 @@ def _relations(cfg: Config) -> list[str]:
                 e.append(f"sampling.sde_window_range={s.sde_window_range} must satisfy 0 ≤ lo, hi − lo ≥ "
                          f"sde_window_size ({s.sde_window_size}) and hi ≤ num_steps − 1 ({s.num_steps - 1}, the final step is deterministic)")
     a = cfg.algo
+    if s.reuse_velocity_steps:
+        if a.name == "flow_grpo":
+            e.append("sampling.reuse_velocity_steps is lossy: flow_grpo compares the rollout's log-probs with the "
+                     "replay's, which a skipped forward would break; use it with algo.name nft, awm or dgpo, or drop it")
+        bad = sorted(i for i in s.reuse_velocity_steps if not 1 <= i < s.num_steps)
+        if bad:
+            e.append(f"sampling.reuse_velocity_steps {bad} out of range: schedule indices 1 … num_steps − 1 "
+                     f"({s.num_steps - 1}); step 0 has no velocity to reuse")
     if a.name != "flow_grpo":
         n = trained_steps_per_sample(cfg)
         top = int(s.num_steps * s.timestep_fraction)

@@ -114,8 +114,12 @@ def test_gpu_launchers_exist():
 # ------------------------------------------------------------------ ranges of every numeric field
 
 def _tree_with_every_field():
-    """The default tree plus one reward component, so the component fields are walked too."""
-    return Config(reward=dataclasses.replace(Config().reward, components=[RewardComponent(name="ocr")]))
+    """The default tree plus one reward component, so the component fields are walked too, and a reused velocity
+    step (empty by default; nft/awm/dgpo only) so its list is walked."""
+    c = Config()
+    return Config(reward=dataclasses.replace(c.reward, components=[RewardComponent(name="ocr")]),
+                  sampling=dataclasses.replace(c.sampling, reuse_velocity_steps=[2]),
+                  algo=dataclasses.replace(c.algo, name="awm"))
 
 
 def test_every_numeric_field_has_a_range_and_every_range_a_field():
@@ -156,7 +160,7 @@ def test_a_value_just_outside_each_range_is_refused_naming_the_key(key):
     rng = RANGES[key]
     bad = _outside(rng)
     sample = None if "[]" in key else _get_default(key)
-    sample = sample[0] if isinstance(sample, list) else sample
+    sample = (sample[0] if sample else 1) if isinstance(sample, list) else sample  # an empty list holds ints here
     if isinstance(sample, int) and float(bad).is_integer():
         bad = int(bad)  # an int field is given an int, so the range check (not the type check) must refuse it
     override, shown = _override(key, ".inf" if bad == float("inf") else bad)

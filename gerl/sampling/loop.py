@@ -148,6 +148,7 @@ def denoise(
     noise_level: float,
     guidance: float,
     generators: list[torch.Generator] | None,
+    reuse_steps: frozenset[int] = frozenset(),
 ) -> Trajectory:
     """Run the whole schedule from `noise` (B, C, h, w), stochastic on `sde_steps`, ODE elsewhere.
 
@@ -155,7 +156,12 @@ def denoise(
         sde_steps: sorted schedule indices that are stochastic and recorded (never the final step).
         generators: one CPU generator per sample for the SDE noise (sample-wise seeding keeps the images
             independent of how the batch is split); may be None when sde_steps is empty.
+        reuse_steps: ODE steps that take the previous step's velocity instead of calling the transformer
+            (sampling.reuse_velocity_steps: lossy, for rollouts whose log-probs nobody reads); never step 0 or an
+            SDE step.
     """
+    if reuse_steps & (set(sde_steps) | {0}):
+        raise ValueError(f"reuse_steps {sorted(reuse_steps)} must avoid step 0 and the stochastic steps {sde_steps}")
     if sde_steps and generators is None:
         raise ValueError("stochastic steps need one generator per sample (got generators=None)")
     if sde_steps and sde_steps[-1] >= schedule.num_steps - 1:
@@ -177,7 +183,7 @@ def denoise(
     for i in range(schedule.num_steps):
         sigma, sigma_next = sigmas[i], sigmas[i + 1]
         t = timesteps[i].expand(B)
-        v = predict_velocity(transformer, x, t, embeds, guidance)
+        v = v if i in reuse_steps else predict_velocity(transformer, x, t, embeds, guidance)
         if i in sde_set:
             out: StepOutput = stochastic_step(sampler, v, x, sigma, sigma_next, noise_level, schedule.sigma_max,
                                               noise=step_noise[:, len(recorded_x)])

@@ -110,7 +110,7 @@ class RolloutWorker:
             else:
                 noise, gens = latent_noise(seeds, self.latent_shape)
             traj = denoise(self.pipe.transformer, embeds, noise.to(self.device), sched, sde_steps, cfg.sampler,
-                           cfg.noise_level, cfg.guidance_scale, gens)
+                           cfg.noise_level, cfg.guidance_scale, gens, frozenset(cfg.reuse_velocity_steps))
             if traj.final_latents.is_cuda:
                 torch.cuda.synchronize()  # CUDA is asynchronous: without this, denoising time lands in decode_s
             t1 = time.perf_counter()

@@ -304,3 +304,40 @@ def test_init_same_noise_shares_the_start_within_a_group_only(make_rollout, samp
     indep = make_rollout(sampling(sampler, sde_window_size=2, sde_window_range=[1, 3])).generate(
         PROMPTS, [{}] * 4, GROUPS, step=1)
     assert not torch.allclose(indep.traj.latents[0, 0], indep.traj.latents[1, 0], atol=1e-2)
+
+
+def test_reused_velocity_steps_skip_the_transformer_and_reuse_the_previous_velocity(tiny_pipe, tiny_embedder):
+    """sampling.reuse_velocity_steps (nft/awm/dgpo rollouts only): at a listed step the ODE step moves x along the
+    previous step's velocity, with no transformer call — checked against a hand-rolled loop."""
+    sched = make_schedule(tiny_pipe.scheduler.config, 6)
+    emb = tiny_embedder(["a cat", "a dog"])
+    noise = torch.randn(2, 16, RESOLUTION // 8, RESOLUTION // 8, generator=torch.Generator().manual_seed(0))
+    calls = []
+    tr = tiny_pipe.transformer
+    handle = tr.register_forward_pre_hook(lambda m, a, k: calls.append(1), with_kwargs=True)
+    try:
+        got = denoise(tr, emb, noise, sched, [], "cps", 0.8, 1.0, None, frozenset({2, 3}))
+    finally:
+        handle.remove()
+    assert len(calls) == 4  # 6 steps, 2 of them reusing
+    x, v = noise.float(), None
+    for i in range(6):
+        if i not in (2, 3):
+            v = predict_velocity(tr, x, sched.timesteps[i].expand(2), emb, 1.0)
+        x = ode_step(v, x, sched.sigmas[i], sched.sigmas[i + 1]).prev_sample
+    torch.testing.assert_close(got.final_latents, x, rtol=0, atol=0)
+    plain = denoise(tr, emb, noise, sched, [], "cps", 0.8, 1.0, None)
+    assert not torch.equal(plain.final_latents, got.final_latents)  # lossy: a different image
+    with pytest.raises(ValueError, match="must avoid step 0 and the stochastic steps"):
+        denoise(tr, emb, noise, sched, [1], "cps", 0.8, 1.0, [torch.Generator()] * 2, frozenset({1}))
+
+
+def test_reused_velocity_steps_are_for_the_decoupled_algorithms_only():
+    from gerl.config import load_config
+    from gerl.errors import UserError
+
+    assert load_config(None, ["algo.name=nft", "sampling.reuse_velocity_steps=[3,5]"]).sampling.reuse_velocity_steps
+    with pytest.raises(UserError, match="flow_grpo compares the rollout's log-probs"):
+        load_config(None, ["sampling.reuse_velocity_steps=[3]"])
+    with pytest.raises(UserError, match=r"reuse_velocity_steps \[10\] out of range"):
+        load_config(None, ["algo.name=awm", "sampling.reuse_velocity_steps=[10]"])
