@@ -31,7 +31,7 @@ ENGINES = {"replicate": ["engine.fsdp=false"], "fsdp": ["engine.fsdp=true"]}
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)

@@ -88,7 +88,7 @@ def one_vae(family_name: str, args, device: torch.device) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks vae", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m benchmarks vae", description=__doc__.split("\n\n")[0])
     p.add_argument("--families", default="sd3,flux,qwenimage", help="comma-separated: sd3, flux, qwenimage")
     p.add_argument("--resolution", type=int, default=512)
     p.add_argument("--batch", type=int, default=8, help="images per decode (the rollout's micro-batch)")

@@ -222,12 +222,17 @@ def plan_for_config(cfg: Config, awm_old_forward: bool | None = None, card: str 
     graded = _receiving_gradients(tr, trained, w, mode) if training else trained
     residents = work.resident_items(cfg, fam, modules, trained, graded)
     with mode:  # the state the actor keeps between micro-batches exists before each phase: never counted in one
-        for p in graded:  # accumulated gradients exist during every micro-batch but a mini-batch's first
-            p.grad = torch.zeros_like(p)
-        copies = lambda: [torch.empty_like(p) for p in trained]  # noqa: E731
+        # bf16/fp16 full fine-tuning steps fp32 masters whose gradients accumulate in fp32 (gerl/workers/masters.py)
+        stepped = ([torch.nn.Parameter(torch.empty_like(p, dtype=torch.float32)) for p in trained]
+                   if work.uses_masters(cfg, trained) else trained)
+        with_grad = {id(p) for p in graded}
+        for p, s in zip(trained, stepped):  # accumulated gradients exist during every micro-batch but the first
+            if id(p) in with_grad:
+                s.grad = torch.zeros_like(s)
+        copies = lambda: [torch.empty_like(p) for p in stepped]  # noqa: E731
         state = State(trained, copies() if cfg.algo.name != "flow_grpo" else None,
                       copies() if cfg.train.ema_decay > 0 else None,
-                      phases.make_optimizer(trained, cfg) if training else None)
+                      phases.make_optimizer(stepped, cfg) if training else None, stepped)
     old_forward = work.awm_old_forward(cfg) if awm_old_forward is None else awm_old_forward
     measurer = _Measurer(cfg, mode, tr)
     role_plans = []

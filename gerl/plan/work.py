@@ -51,6 +51,7 @@ class State:
     anchor: list | None
     shadow: list | None
     optimizer: torch.optim.Optimizer | None
+    stepped: list | None = None  # what the optimizer steps and clips: the fp32 masters of bf16/fp16 trained weights
 
 
 def _gib(n: int) -> float:
@@ -130,17 +131,22 @@ def resident_items(cfg: Config, fam, modules: dict, trained: list, graded: list)
         wdt = DTYPE_NAMES.get(w0[0].dtype, "?")
         out["transformer"].append(Item(f"merged LoRA weights (model.merge_lora, {wdt})", _gib(tensor_bytes(w0)),
                                        f"{len(w0)} adapted linears"))
-    what = "fp32 LoRA" if m.lora else DTYPE_NAMES[trained[0].dtype] + ", full fine-tuning"
-    grads = tensor_bytes(graded)
+    masters = uses_masters(cfg, trained)
+    what = ("fp32 LoRA" if m.lora else "fp32 masters of the full fine-tuning" if masters
+            else DTYPE_NAMES[trained[0].dtype] + ", full fine-tuning")
+    grads = sum(p.numel() for p in graded) * 4 if masters else tensor_bytes(graded)
     unused = "" if len(graded) == len(trained) else f"{len(trained) - len(graded)} tensors get none"
-    actor = [Item(f"gradients ({what})", _gib(grads), unused),
-             Item(f"AdamW exp_avg + exp_avg_sq ({what})", _gib(2 * grads))]
+    actor = [Item(f"fp32 master weights ({DTYPE_NAMES[trained[0].dtype]} weights train through them)",
+                  _gib(4 * sum(p.numel() for p in trained)))] if masters else []
+    actor += [Item(f"gradients ({what})", _gib(grads), unused),
+              Item(f"AdamW exp_avg + exp_avg_sq ({what})", _gib(2 * grads))]
     if t.beta > 0 and not m.lora:
         actor.append(Item(f"frozen reference copy (train.beta={t.beta:g})", out["transformer"][0].gib))
+    kept = 2 * adapter if masters else adapter  # the EMA and the anchor copy the fp32 masters
     if t.ema_decay > 0:
-        actor.append(Item(f"EMA weights (train.ema_decay={t.ema_decay:g})", _gib(adapter)))
+        actor.append(Item(f"EMA weights (train.ema_decay={t.ema_decay:g})", _gib(kept)))
     if a.name != "flow_grpo":
-        actor.append(Item(f"anchor θ_old (algo.name={a.name})", _gib(adapter)))
+        actor.append(Item(f"anchor θ_old (algo.name={a.name})", _gib(kept)))
     rollout = []
     if cfg.engine.schedule == "stream" and not (cfg.engine.hybrid or cfg.engine.kind == "local"):
         rollout.append(Item("staged weights (engine.schedule=stream)", _gib(adapter)))
@@ -160,6 +166,12 @@ def cublas_workspace(role: str) -> Item:
     what = "forward + autograd backward threads" if threads == 2 else "the forward thread"
     return Item(f"cuBLAS workspace ({CUBLAS_WORKSPACE_MIB} MiB × {threads}: {what})",
                 _gib(threads * CUBLAS_WORKSPACE_MIB * 2**20))
+
+
+def uses_masters(cfg: Config, trained: list) -> bool:
+    """Whether the actor trains through fp32 masters (gerl/workers/masters.py): full fine-tuning of bf16/fp16
+    weights (a LoRA adapter is fp32 already)."""
+    return not cfg.model.lora and trained[0].dtype in (torch.bfloat16, torch.float16)
 
 
 def swaps(cfg: Config, role: str) -> dict[str, str]:
@@ -199,7 +211,7 @@ def _actor_phases(cfg: Config, tr, w: phases.Work, st: State, old_forward: bool)
     out += [(f"training fwd+bwd, gradient checkpointing {'on' if c else 'off'}", TRAIN,
              lambda b: train(tr, b, w), c) for c in (ckpt, not ckpt)]
     scaled = w.dtype == torch.float16 and t.fp16_loss_scale > 0 and cfg.model.lora
-    step = phases.optimizer_step(st.optimizer, st.trained, cfg, scaled)
+    step = phases.optimizer_step(st.optimizer, st.stepped or st.trained, cfg, scaled)
     out.append(("clip + AdamW step (foreach)", None, step, None))
     return out
 

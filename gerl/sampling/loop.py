@@ -180,6 +180,7 @@ def denoise(
     if sde_steps:
         step_noise = torch.stack([torch.randn((len(sde_steps), *x.shape[1:]), generator=g) for g in generators])
         step_noise = step_noise.to(x.device)
+    v = None  # the velocity of the last step that called the transformer (reuse_steps never include step 0)
     for i in range(schedule.num_steps):
         sigma, sigma_next = sigmas[i], sigmas[i + 1]
         t = timesteps[i].expand(B)
