@@ -137,15 +137,13 @@ class MemoryPlanner:
 
         self.plan, self.error = None, None
         # diffusers and transformers import their classes lazily, and two threads resolving the same lazy name at
-        # once can fail: resolve here, on the main thread, every class the plan and the loader both touch.
-        import diffusers
-        import transformers
+        # once can fail: resolve here, on the main thread, every class the plan and the loader both touch — the run's
+        # family's, or every family's for a hub id not yet in the cache.
+        from gerl.models.family import families
 
-        for name in ("StableDiffusion3Pipeline", "SD3Transformer2DModel", "AutoencoderKL",
-                     "FlowMatchEulerDiscreteScheduler"):
-            getattr(diffusers, name)
-        for name in ("CLIPTextModelWithProjection", "T5EncoderModel", "CLIPTokenizer", "T5TokenizerFast", "AutoConfig"):
-            getattr(transformers, name)
+        family = model_family(cfg.model.path)
+        for f in [family] if family is not None else families().values():
+            f.resolve_lazy_classes()
         import peft  # noqa: F401
 
         import gerl.plan  # noqa: F401

@@ -53,6 +53,8 @@ class Family:
             compiles, one block at a time (gerl/models/compile.py).
         compile_refusal: why model.compile cannot keep this family's shapes fixed ("" = it can).
         attention_mask: whether the transformer passes an attention mask to its attention (a backend must take one).
+        extra_classes: (library, class) pairs a published model_index.json names that the pipeline's signature does
+            not (T5TokenizerFast where the signature says T5Tokenizer): resolved by `resolve_lazy_classes` too.
     """
 
     name: str = ""
@@ -66,12 +68,44 @@ class Family:
     block_lists: tuple[str, ...] = ("transformer_blocks",)
     compile_refusal: str = ""
     attention_mask: bool = False
+    extra_classes: tuple[tuple[str, str], ...] = ()
 
     def pipeline_cls(self):
         """The diffusers pipeline class (from_pretrained, save_lora_weights)."""
         import diffusers
 
         return getattr(diffusers, self.pipeline_classes[0])
+
+    def lazy_classes(self) -> set[tuple[str, str]]:
+        """Every (library, class name) that loading this family's pipeline or planning it reaches through diffusers'
+        and transformers' lazy top-level modules: the pipeline classes, the classes their constructors name for
+        each component (the ones a model_index.json lists), and `extra_classes`."""
+        import inspect
+        import typing
+
+        def named(annotation) -> list[tuple[str, str]]:
+            if typing.get_args(annotation):  # X | None, Union[...]
+                return [n for a in typing.get_args(annotation) for n in named(a)]
+            lib = str(getattr(annotation, "__module__", "")).split(".")[0]
+            return [(lib, annotation.__name__)] if lib in ("diffusers", "transformers") else []
+
+        names = {("diffusers", c) for c in self.pipeline_classes} | {("diffusers", self.transformer_class)}
+        names |= set(self.extra_classes) | {("transformers", "AutoConfig")}
+        import diffusers
+
+        for c in self.pipeline_classes:
+            for p in inspect.signature(getattr(diffusers, c).__init__).parameters.values():
+                names.update(named(p.annotation))
+        return names
+
+    def resolve_lazy_classes(self) -> None:
+        """Resolve `lazy_classes` on the calling thread. diffusers and transformers import their classes lazily, and
+        two threads resolving the same lazy name at once can fail (gerl.trainer.MemoryPlanner plans on a thread while
+        the main thread loads): resolved once here, each name is a plain module attribute after."""
+        import importlib
+
+        for lib, name in sorted(self.lazy_classes()):
+            getattr(importlib.import_module(lib), name, None)  # a name the library does not export is never looked up
 
     def build_tiny(self, seed: int, variant: str):
         """The offline tiny pipeline of this family (fp32, CPU, random weights from `seed`)."""

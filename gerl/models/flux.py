@@ -57,6 +57,7 @@ class Flux(Family):
     components = ("transformer", "vae", "text_encoder", "text_encoder_2")
     tokenizers = {"text_encoder": "tokenizer", "text_encoder_2": "tokenizer_2"}
     negative_prompt = ""  # unused: FLUX.1 has no classifier-free guidance pass (uses_negative is always false)
+    extra_classes = (("transformers", "T5TokenizerFast"),)  # the published model_index.json's T5 tokenizer
     # flow_grpo's scripts/train_flux.py target_modules: the double-stream blocks' attention projections and both
     # feed-forwards (the single-stream blocks' to_q/k/v match "attn.to_q" etc. too; their proj_mlp/proj_out do not).
     lora_targets = ("attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0", "attn.add_k_proj", "attn.add_q_proj",

@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 
 from gerl.config import SamplingConfig
-from gerl.models.family import families, family_of
+from gerl.models.family import family_of
 from gerl.models.vae import to_uint8
 from gerl.sampling.loop import Embeds, Schedule, Trajectory, denoise, sde_window
 from gerl.workers.batch import RolloutBatch
@@ -43,13 +43,13 @@ def group_seed(seed: int, step: int, group_id: int) -> int:
 
 
 @torch.no_grad()
-def decode(vae, latents: torch.Tensor, family=None) -> list[Image.Image]:
-    """Canonical latents (B, C, h, w) → PIL images through the model family's VAE decoding (default: SD3's, the
-    scaling and shift factors), in the VAE's own dtype and memory format (model.vae_dtype, as the loader prepared
+def decode(vae, latents: torch.Tensor, family) -> list[Image.Image]:
+    """Canonical latents (B, C, h, w) → PIL images through the model family's VAE decoding (`family.decode`: SD3's
+    scaling and shift factors, Qwen-Image's per-channel statistics and video VAE, ...), in the VAE's own dtype and memory format (model.vae_dtype, as the loader prepared
     it: bf16 and channels_last on CUDA, fp32 on a CPU; gerl/models/vae.py). Never fp16: its decoder overflows to
     NaN there, and a NaN image would become a black image scoring ~0 without a word — so a non-finite decode is
     reported on stderr."""
-    x = (family or families()["sd3"]).decode(vae, latents).float()
+    x = family.decode(vae, latents).float()
     bad = int((~torch.isfinite(x.flatten(1))).any(1).sum())
     if bad:
         print(f"gerl: warning: the VAE decoded {bad} of {len(x)} images with NaN/inf values (VAE dtype {vae.dtype}); "

@@ -155,3 +155,49 @@ def test_the_first_update_starts_where_the_rollout_left_off(model, algo):
         assert abs(control["grad_norm"] - metrics["grad_norm"]) <= 1e-6 * metrics["grad_norm"]
     if name == "dgpo":  # the live adapter is not the base: margins ≠ 0; the anchor is the weights: ratio 1
         assert metrics["margin_mean"] != 0 and abs(metrics["ratio_mean"] - 1) <= 1e-6 and metrics["clipfrac"] == 0
+
+
+# ------------------------------------------------------------------ the import-race guard
+
+GUARD_CHECK = r"""
+import importlib, json, sys
+from gerl.models import arch
+from gerl.models.family import by_pipeline_class, families
+
+missing = {}
+for folder in arch.shipped():
+    d = arch.CONFIGS / folder
+    index = json.loads((d / "model_index.json").read_text()) if (d / "model_index.json").is_file() else {}
+    want = {("diffusers", index["_class_name"])} if index else set()
+    want |= {tuple(v) for k, v in index.items() if not k.startswith("_") and v[0] is not None}
+    for c in arch.components(folder):
+        cfg = arch.load_config(folder, c)
+        want.add(("diffusers", cfg["_class_name"]) if "_class_name" in cfg else ("transformers", cfg["architectures"][0]))
+    tr = arch.load_config(folder, "transformer")["_class_name"]
+    fam = (by_pipeline_class(index["_class_name"], folder) if index else
+           next(f for f in families().values() if f.transformer_class == tr))
+    fam.resolve_lazy_classes()  # this family's guard, checked before the next family's runs
+    gone = [f"{lib}.{n}" for lib, n in sorted(want) if n not in vars(importlib.import_module(lib))]
+    if gone:
+        missing[folder] = gone
+print(json.dumps(missing))
+"""
+
+
+def test_the_import_guard_resolves_every_class_a_shipped_model_names_for_each_family():
+    """gerl.trainer.MemoryPlanner plans on a thread while the main thread loads the model; both reach diffusers' and
+    transformers' lazy modules, so the main thread resolves the run's family's classes first
+    (`Family.resolve_lazy_classes`). In a fresh process, each shipped model's published classes (its component
+    configs, its model_index.json where shipped) are plain attributes of their library right after its family's
+    guard ran. (Broken on purpose: a guard that resolved SD3's classes alone left FLUX.1's FluxPipeline and
+    CLIPTextModel, and Qwen-Image's classes, unresolved.)"""
+    import os
+    import subprocess
+    import sys
+
+    from tests.train.helpers import REPO
+
+    out = subprocess.run([sys.executable, "-c", GUARD_CHECK], capture_output=True, text=True, cwd=REPO, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {}
