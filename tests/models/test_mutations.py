@@ -1,0 +1,142 @@
+"""Each family's parity test fails against a family broken on purpose: the "broken once on purpose" checks of
+docs/lab_notebook.md, kept in the suite. Every case applies one realistic bug to a family module (monkeypatched, so
+the family's own code runs around it) and calls the family's ODE-parity test itself — the same function the suite
+runs against the stock pipeline — expecting it to fail:
+
+- shift: the resolution shift computed over the unpacked latent count (h·w instead of (h/2)(w/2) tokens); SD3,
+  whose released schedulers do not shift by size, with the scheduler's shift ignored (1.0 instead of 3.0);
+- packing: 2×2 patches packed with dy and dx swapped (pack and unpack still inverse to each other);
+- guidance: FLUX.1-dev's scale not reaching its embedding; Qwen-Image's true CFG without its per-token norm
+  rescale; SD3's classifier-free guidance with the conditional and unconditional branches swapped;
+- text mask: Qwen-Image's padded text tokens attended (the mask dropped). SD3 and FLUX.1 pad every prompt to one
+  length and pass no mask; SD3 does not pack (its transformer patchifies): those cells do not exist.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gerl.models import flux as flux_mod
+from gerl.models import qwenimage as qwen_mod
+from gerl.models import qwenimage_math as qm
+from gerl.models import sd3 as sd3_mod
+from gerl.sampling.loop import Embeds
+
+
+def swapped_pack(x: torch.Tensor) -> torch.Tensor:
+    """(B, C, h, w) → tokens with each patch's values ordered (C, dx, dy): the bug."""
+    B, C, h, w = x.shape
+    return x.reshape(B, C, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 5, 3).reshape(B, (h // 2) * (w // 2), C * 4)
+
+
+def swapped_unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """The inverse of `swapped_pack`."""
+    B, _, D = tokens.shape
+    return tokens.reshape(B, h // 2, w // 2, D // 4, 2, 2).permute(0, 3, 1, 5, 2, 4).reshape(B, D // 4, h, w)
+
+
+def _sd3_shift(mp):
+    real = sd3_mod.make_schedule
+    mp.setattr(sd3_mod, "make_schedule", lambda config, n: real({**config, "shift": 1.0}, n))
+
+
+def _sd3_guidance(mp):
+    real = sd3_mod.SD3.velocity
+
+    def swapped(self, transformer, x, t, e: Embeds, guidance):
+        return real(self, transformer, x, t, Embeds(e.neg_prompt, e.neg_pooled, e.prompt, e.pooled), guidance)
+
+    mp.setattr(sd3_mod.SD3, "velocity", swapped)
+
+
+def _flux_shift(mp):
+    real = flux_mod.resolution_shift
+    mp.setattr(flux_mod, "resolution_shift", lambda tokens, config, default: real(4 * tokens, config, default))
+
+
+def _flux_packing(mp):
+    mp.setattr(flux_mod, "pack", swapped_pack)
+    mp.setattr(flux_mod, "unpack", swapped_unpack)
+
+
+def _flux_guidance(mp):
+    real = flux_mod.Flux.velocity
+    mp.setattr(flux_mod.Flux, "velocity", lambda self, tr, x, t, e, guidance: real(self, tr, x, t, e, 1.0))
+
+
+def _qwen_shift(mp):
+    real = qm.sigma_schedule
+    mp.setattr(qm, "sigma_schedule", lambda n, tokens, config: real(n, 4 * tokens, config))
+
+
+def _qwen_packing(mp):
+    mp.setattr(qm, "pack_latents", swapped_pack)
+    mp.setattr(qm, "unpack_latents", lambda tokens, h, w: swapped_unpack(tokens, h, w).unsqueeze(2))
+
+
+def _qwen_guidance(mp):
+    mp.setattr(qm, "true_cfg", lambda cond, neg, scale: neg + scale * (cond - neg))
+
+
+def _qwen_mask(mp):
+    real = qwen_mod._text
+    mp.setattr(qwen_mod, "_text", lambda prompt, mask, dtype: (real(prompt, mask, dtype)[0], None))
+
+
+@pytest.fixture(scope="module")
+def pipes():
+    from gerl.models.tiny import build_tiny_flux
+    from gerl.models.tiny_qwenimage import build_tiny_qwenimage
+
+    built = {"flux": build_tiny_flux(0), "qwenimage": build_tiny_qwenimage(0)}
+    for p in built.values():
+        p.set_progress_bar_config(disable=True)
+    return built
+
+
+def _sd3_parity(pipes, tiny_pipe):
+    from tests.models.test_sd3 import test_each_sd3_generation_samples_as_the_stock_pipeline_with_cfg as parity
+
+    parity(tiny_pipe, dict(qk_norm="rms_norm", dual_attention_layers=(0,)))  # SD3.5-Medium's layout, CFG 3
+
+
+def _flux_parity(pipes, tiny_pipe):
+    from tests.models.test_flux import test_ode_sampling_and_decoding_reproduce_the_stock_flux_pipeline as parity
+    from tests.models.test_flux import test_ode_sampling_at_real_token_counts_reproduces_the_stock_pipeline as at
+
+    parity(pipes["flux"], 4)  # dev, guidance 3.5, 128 px
+    at(pipes["flux"], 256, 1024)  # the real 512² token count
+
+
+def _qwen_parity(pipes, tiny_pipe):
+    from tests.models.test_qwenimage import test_ode_sampling_and_decoding_reproduce_the_stock_pipeline as parity
+
+    parity(pipes["qwenimage"], 4.0)  # true CFG, prompts of 8 and 14 tokens in one batch
+
+
+CASES = {  # family/bug → (the bug, the family's parity test)
+    "sd3-shift": (_sd3_shift, _sd3_parity),
+    "sd3-guidance": (_sd3_guidance, _sd3_parity),
+    "flux-shift": (_flux_shift, _flux_parity),
+    "flux-packing": (_flux_packing, _flux_parity),
+    "flux-guidance": (_flux_guidance, _flux_parity),
+    "qwenimage-shift": (_qwen_shift, _qwen_parity),
+    "qwenimage-packing": (_qwen_packing, _qwen_parity),
+    "qwenimage-guidance": (_qwen_guidance, _qwen_parity),
+    "qwenimage-mask": (_qwen_mask, _qwen_parity),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_family_s_parity_test_fails_against_the_bug(case, pipes, tiny_pipe, monkeypatch):
+    bug, parity = CASES[case]
+    bug(monkeypatch)
+    with pytest.raises(AssertionError, match="not close"):  # a value mismatch, not a shape or a crash
+        parity(pipes, tiny_pipe)
+
+
+@pytest.mark.parametrize("family", ["sd3", "flux", "qwenimage"])
+def test_the_parity_tests_pass_without_a_bug(family, pipes, tiny_pipe):
+    """The control: the same calls pass on the families as they are (so a failure above is the bug's)."""
+    {"sd3": _sd3_parity, "flux": _flux_parity, "qwenimage": _qwen_parity}[family](pipes, tiny_pipe)
