@@ -86,7 +86,8 @@ class QwenImage(Family):
                             f"{scheduler_config.get('shift_terminal')} and needs at least 2 steps (the stock "
                             "pipeline gives σ = NaN with one); use 2 or more")
         sigmas = qm.sigma_schedule(num_steps, (latent_shape[-2] // 2) * (latent_shape[-1] // 2), scheduler_config)
-        return Schedule(sigmas, sigmas[:-1] * qm.NUM_TRAIN_TIMESTEPS)  # the stock timesteps, bit for bit
+        # the stock σ and timesteps, bit for bit (torch.equal in tests/models/test_qwenimage.py and test_qwenimage_math.py)
+        return Schedule(sigmas, sigmas[:-1] * qm.NUM_TRAIN_TIMESTEPS)
 
     def velocity(self, transformer, x: torch.Tensor, timestep: torch.Tensor, embeds: Embeds,
                  guidance: float) -> torch.Tensor:
