@@ -78,6 +78,11 @@ def prepare(cfg: Config) -> Prepared:
     _check_resume(cfg, resume_from)
     # the model's family from its model_index.json: a directory gerl cannot train fails here, before anything loads
     family = model_family(cfg.model.path)
+    if family is not None:  # an editing model's prompts each carry an image; a text-to-image model's none
+        from gerl.models.family import check_conditioning
+
+        check_conditioning(family, [p.metadata for p in train], cfg.data.train_prompts)
+        check_conditioning(family, [p.metadata for p in test], cfg.data.test_prompts)
     if cfg.model.compile and family is not None and family.compile_refusal:
         raise UserError(f"model.compile=true cannot keep {family.title}'s shapes fixed: {family.compile_refusal}; set "
                         "model.compile=false")

@@ -33,8 +33,12 @@ TINY_MODELS = {
     "tiny-flux": ("flux", "dev"),  # gerl.models.tiny.build_tiny_flux: guidance embedding, dynamic shift
     "tiny-flux-schnell": ("flux", "schnell"),  # no guidance embedding, no shift (as FLUX.1-schnell's configs)
     "tiny-qwenimage": ("qwenimage", ""),  # gerl.models.tiny_qwenimage.build_tiny_qwenimage: Qwen-Image's scheduler
+    "tiny-flux-kontext": ("flux_kontext", ""),  # gerl.models.tiny.build_tiny_flux_kontext: tiny-flux's parts, editing
+    "tiny-qwenimage-edit": ("qwenimage_edit", ""),  # gerl.models.tiny_qwenimage.build_tiny_qwenimage_edit_plus
 }
-_MODULES = ("gerl.models.sd3", "gerl.models.flux", "gerl.models.qwenimage")  # each registers its family on import
+# each registers its family on import; a family sharing its transformer class with another comes after it
+_MODULES = ("gerl.models.sd3", "gerl.models.flux", "gerl.models.qwenimage", "gerl.models.flux_kontext",
+            "gerl.models.qwenimage_edit")
 _REGISTRY: dict[str, "Family"] = {}
 
 
@@ -53,6 +57,11 @@ class Family:
             compiles, one block at a time (gerl/models/compile.py).
         compile_refusal: why model.compile cannot keep this family's shapes fixed ("" = it can).
         attention_mask: whether the transformer passes an attention mask to its attention (a backend must take one).
+        conditioned: whether each prompt comes with a conditioning image (image editing: FLUX.1-Kontext,
+            Qwen-Image-Edit-Plus). Such a family subclasses the text-to-image family whose transformer it shares, whose
+            `velocity` appends the conditioning tokens (`Embeds.cond`) when they are there.
+        unloaded: pipeline parts gerl never loads (passed as None to `from_pretrained`): Qwen-Image-Edit-Plus's
+            processor, which transformers cannot build without torchvision and the family does not need.
         extra_classes: (library, class) pairs a published model_index.json names that the pipeline's signature does
             not (T5TokenizerFast where the signature says T5Tokenizer): resolved by `resolve_lazy_classes` too.
     """
@@ -69,6 +78,8 @@ class Family:
     compile_refusal: str = ""
     attention_mask: bool = False
     extra_classes: tuple[tuple[str, str], ...] = ()
+    conditioned: bool = False
+    unloaded: tuple[str, ...] = ()
 
     def pipeline_cls(self):
         """The diffusers pipeline class (from_pretrained, save_lora_weights)."""
@@ -111,11 +122,19 @@ class Family:
         """The offline tiny pipeline of this family (fp32, CPU, random weights from `seed`)."""
         raise NotImplementedError
 
-    def encode_prompts(self, pipe, prompts: list[str], max_sequence_length: int):
+    def encode_prompts(self, pipe, prompts: list[str], max_sequence_length: int, images=None,
+                       condition_resolution: int = 0):
         """Prompts → `Embeds` (batch B = len(prompts), no negatives), on the text encoders' device, no grad.
         The text cache (gerl.models.loader.TextEmbedder) stores each prompt's row: a family whose prompts have
-        different lengths sets `Embeds.mask` (B, L) and the cache pads rows to the longest."""
+        different lengths sets `Embeds.mask` (B, L) and the cache pads rows to the longest.
+        An image-conditioned family also takes `images` (B PIL images, RGB) and sets `Embeds.cond` / `cond_hw`: the
+        images' VAE latents packed into tokens, each image sized as its stock pipeline sizes it
+        (`condition_resolution` = model.condition_resolution; 0 = the stock pipeline's own size)."""
         raise NotImplementedError
+
+    def condition_tokens(self, h: int, w: int) -> int:
+        """The tokens of a conditioning latent grid (h, w): (h/2)·(w/2) for the families that pack 2×2 patches."""
+        return (h // 2) * (w // 2)
 
     def uses_negative(self, guidance: float) -> bool:
         """Whether `velocity` at this guidance reads the negative embeddings (a second, unconditional pass)."""
@@ -171,14 +190,51 @@ def supported() -> str:
 
 
 def family_of(obj) -> Family:
-    """The family of a pipeline (or anything with a `.transformer`) or of a transformer itself, by the transformer's
-    class: a LoRA attached through diffusers' peft integration or a deep copy keeps it."""
+    """The family of a pipeline (or anything with a `.transformer`) or of a transformer itself. A pipeline's own class
+    decides first (FluxKontextPipeline and FluxPipeline share FluxTransformer2DModel); otherwise the transformer's
+    class, where a LoRA attached through diffusers' peft integration or a deep copy keeps it, gives the first family
+    registered for it — the text-to-image one, whose `velocity` serves its image-conditioned subclass too."""
     tr = getattr(obj, "transformer", obj)
+    if tr is not obj:
+        for f in families().values():
+            if type(obj).__name__ in f.pipeline_classes:
+                return f
     names = {c.__name__ for c in type(tr).__mro__}
     for f in families().values():
         if f.transformer_class in names:
             return f
     raise ValueError(f"{type(tr).__name__} belongs to no model family gerl knows; supported: {supported()}")
+
+
+def check_conditioning(family: Family, metadata: list[dict], where: str) -> None:
+    """Prompts whose metadata carries an "image" (a conditioning image) against the family: an image-editing family
+    needs one for every prompt, a text-to-image family takes none. A UserError names the first prompt that does not
+    fit, before anything loads."""
+    has = [isinstance(m, dict) and m.get("image") is not None for m in metadata]
+    if family.conditioned and not all(has):
+        raise UserError(f"{where}: {family.title} edits an image, and prompt {has.index(False) + 1} has none; give "
+                        'every prompt one (.jsonl lines {"prompt": ..., "image": PATH}, PATH relative to the file)')
+    if not family.conditioned and any(has):
+        editing = ", ".join(f.title for f in families().values() if f.conditioned)
+        raise UserError(f"{where}: prompt {has.index(True) + 1} has an \"image\", which {family.title} (text to "
+                        f"image) does not take; use an image-editing model ({editing}) or drop the images")
+
+
+def condition_groups(embeds) -> list[tuple["torch.Tensor | None", tuple[int, int] | None]]:
+    """The rows of a batch that share one conditioning grid, for a transformer that takes one image layout per call:
+    [(row indices (n,) long, (h, w))], or [(None, None)] when the batch has no conditioning image or one grid only
+    (the whole batch in one call)."""
+    if embeds.cond_hw is None:
+        return [(None, None)]
+    grids = [tuple(hw) for hw in embeds.cond_hw.tolist()]
+    if len(set(grids)) == 1:
+        return [(None, grids[0])]
+    import torch
+
+    out = []
+    for g in dict.fromkeys(grids):
+        out.append((torch.tensor([i for i, x in enumerate(grids) if x == g], dtype=torch.long), g))
+    return out
 
 
 def by_pipeline_class(class_name: str, where: str) -> Family:

@@ -10,6 +10,7 @@ import torch
 from PIL import Image
 
 from gerl.config import SamplingConfig
+from gerl.data.prompts import condition_images
 from gerl.models.family import family_of
 from gerl.models.vae import to_uint8
 from gerl.sampling.loop import Embeds, Schedule, Trajectory, denoise, sde_window
@@ -100,7 +101,7 @@ class RolloutWorker:
                 between()
             versions.append(self.policy_version)
             t0 = time.perf_counter()
-            embeds = self.embedder(prompts[sl], with_negative=guided)
+            embeds = self.embedder(prompts[sl], with_negative=guided, images=condition_images(metadata[sl]))
             seeds = [sample_seed(self.seed, step, index_offset + i)
                      for i in range(sl.start, min(sl.stop, len(prompts)))]
             if cfg.init_same_noise:
@@ -137,8 +138,9 @@ class RolloutWorker:
 
     @torch.no_grad()
     def sample_images(self, prompts: list[str], seed: int, num_steps: int, guidance: float,
-                      micro_batch_size: int | None = None) -> list[Image.Image]:
-        """ODE sampling for validation / `gerl sample` / `gerl eval`: image i uses noise seed (seed, i)."""
+                      micro_batch_size: int | None = None, images: list | None = None) -> list[Image.Image]:
+        """ODE sampling for validation / `gerl sample` / `gerl eval`: image i uses noise seed (seed, i). images: each
+        prompt's conditioning image path (an image-editing family), or None."""
         sched: Schedule = self.family.schedule(self.pipe.scheduler.config, num_steps, self.latent_shape)
         mb = micro_batch_size or self.cfg.micro_batch_size
         out = []
@@ -146,7 +148,8 @@ class RolloutWorker:
         for start in range(0, len(prompts), mb):
             chunk = prompts[start:start + mb]
             noise, _ = latent_noise([sample_seed(seed, 0, start + i) for i in range(len(chunk))], self.latent_shape)
-            embeds = self.embedder(chunk, with_negative=self.family.uses_negative(guidance))
+            embeds = self.embedder(chunk, with_negative=self.family.uses_negative(guidance),
+                                   images=None if images is None else images[start:start + mb])
             traj = denoise(self.pipe.transformer, embeds, noise.to(self.device), sched, [], self.cfg.sampler,
                            self.cfg.noise_level, guidance, None)
             out.extend(decode(self.pipe.vae, traj.final_latents, self.family))

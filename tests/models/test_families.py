@@ -36,7 +36,8 @@ def test_each_tiny_model_and_saved_directory_is_its_familys(tiny_dir, tmp_path):
     from gerl.models.tiny import save_tiny_flux
 
     assert {name: family_for_path(name).name for name in TINY_MODELS} == {
-        "tiny": "sd3", "tiny-flux": "flux", "tiny-flux-schnell": "flux", "tiny-qwenimage": "qwenimage"}
+        "tiny": "sd3", "tiny-flux": "flux", "tiny-flux-schnell": "flux", "tiny-qwenimage": "qwenimage",
+        "tiny-flux-kontext": "flux_kontext", "tiny-qwenimage-edit": "qwenimage_edit"}
     assert family_for_path(str(tiny_dir)).name == "sd3"
     save_tiny_flux(tmp_path / "flux", 0)
     assert model_family(str(tmp_path / "flux")).name == "flux"
@@ -89,18 +90,31 @@ def model(request):
     return load_pipeline(request.param)
 
 
+@pytest.fixture(scope="module")
+def edit_images(tmp_path_factory):
+    """Conditioning images for the editing families, one per group, of two aspects: at model.condition_resolution=64
+    their references have different latent grids, so a rollout micro-batch holds both."""
+    from tests.models.test_flux_kontext import picture
+
+    d = tmp_path_factory.mktemp("family_images")
+    for i, size in enumerate([(64, 64), (80, 48)]):
+        picture(*size, 20 + i).save(d / f"{i}.png")
+    return [str(d / f"{i}.png") for i in (0, 0, 1, 1)]
+
+
 ALGOS = {  # sampling window, algorithm
     "flow_grpo": (0, "flow_grpo"), "fast": (2, "flow_grpo"), "awm": (0, "awm"), "nft": (0, "nft"), "dgpo": (0, "dgpo"),
 }
 
 
 @pytest.mark.parametrize("algo", list(ALGOS))
-def test_the_first_update_starts_where_the_rollout_left_off(model, algo):
+def test_the_first_update_starts_where_the_rollout_left_off(model, algo, edit_images):
     """Rollout micro-batches of 4, training micro-batches of 1 in a shuffled order: a velocity that depended on
     its batch neighbours (a packing that mixed samples, a text mask not applied while prompts of different lengths
     share a padded batch) or on anything but its inputs would show here. SD3 runs classifier-free guidance (a
     doubled batch), FLUX.1-dev its guidance embedding, schnell none, Qwen-Image true CFG (a second pass on the
-    negative prompt " ", norm-rescaled)."""
+    negative prompt " ", norm-rescaled); the editing families (FLUX.1-Kontext, Qwen-Image-Edit-Plus) theirs with a
+    conditioning image per group, two reference sizes in one rollout micro-batch (one transformer call per size)."""
     window, name = ALGOS[algo]
     family = family_of(model)
     guidance = 3.0 if family.name == "sd3" else 3.5
@@ -114,9 +128,10 @@ def test_the_first_update_starts_where_the_rollout_left_off(model, algo):
     sampling = SamplingConfig(sampler="cps", num_steps=4, guidance_scale=guidance, sde_window_size=window,
                               sde_window_range=[0, 3], micro_batch_size=4)
     pipe = SimpleNamespace(transformer=tr, vae=model.vae, scheduler=model.scheduler)
-    rollout = RolloutWorker(pipe, TextEmbedder(model, TOKEN_LENGTH), sampling, RESOLUTION, seed=0,
-                            record_sde=name == "flow_grpo")
-    batch = rollout.generate(PROMPTS, [{}] * 4, GROUPS, step=1)
+    rollout = RolloutWorker(pipe, TextEmbedder(model, TOKEN_LENGTH, condition_resolution=64), sampling, RESOLUTION,
+                            seed=0, record_sde=name == "flow_grpo")
+    meta = [{"image": p} for p in edit_images] if family.conditioned else [{}] * 4
+    batch = rollout.generate(PROMPTS, meta, GROUPS, step=1)
     batch.rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
     actor = ActorWorker(tr, TrainConfig(micro_batch_size=1, learning_rate=1e-3), ModelConfig(lora=True), sampling,
                         max_steps=1, images_per_step=4, seed=0, algo=AlgoConfig(name=name, train_timesteps=2))
