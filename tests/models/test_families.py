@@ -216,3 +216,18 @@ def test_the_import_guard_resolves_every_class_a_shipped_model_names_for_each_fa
                          env={**os.environ, "PYTHONPATH": str(REPO)})
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {}
+
+
+def test_editing_families_log_no_mfu_rather_than_a_wrong_one():
+    """The FLOPs model (gerl/logging/flops.py) counts a transformer's image tokens, not an editing model's reference
+    tokens (as many again at the same size): FLUX.1-Kontext and Qwen-Image-Edit-Plus get no FLOPs model (mfu null)
+    rather than one that undercounts by half, though their transformers are FLUX.1's and Qwen-Image's classes; and a
+    transformer class gerl does not count is refused by its name, not taken for FLUX.1 by a key it shares."""
+    from gerl.logging.flops import family_of_config
+    from gerl.logging.throughput import model_configs
+
+    for name in ("tiny-flux-kontext", "tiny-qwenimage-edit"):
+        assert model_configs(name, load_pipeline(name)) is None
+    assert model_configs("tiny-flux", load_pipeline("tiny-flux")).family == "flux"
+    with pytest.raises(ValueError, match="no FLOPs model .* Flux2Transformer2DModel"):
+        family_of_config({"_class_name": "Flux2Transformer2DModel", "num_single_layers": 20})

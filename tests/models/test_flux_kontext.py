@@ -56,17 +56,19 @@ def images(tmp_path_factory):
     return paths
 
 
-def stock_latents(pipeline, prompts, paths, seeds, steps, guidance, res=RES):
+def stock_latents(pipeline, prompts, paths, seeds, steps, guidance, res=RES, noise=None):
     """FluxKontextPipeline's final latents (B, 16, h, w) for images given as they are (`_auto_resize=False`, the
-    output at max_area = res², as flow_grpo calls it)."""
+    output at max_area = res², as flow_grpo calls it); `noise` (B, 16, h, w): the initial latents, in the
+    pipeline's dtype, instead of the seeds' draw."""
     from diffusers import FluxKontextPipeline
 
     stock = FluxKontextPipeline(**{**pipeline.components, "scheduler": copy.deepcopy(pipeline.scheduler)})
     stock.set_progress_bar_config(disable=True)
+    kw = {} if noise is None else {"latents": stock._pack_latents(noise, *noise.shape).to(stock.transformer.dtype)}
     out = stock(image=[Image.open(p).convert("RGB") for p in paths], prompt=prompts, height=res, width=res,
                 max_area=res * res, _auto_resize=False, num_inference_steps=steps, guidance_scale=guidance,
                 max_sequence_length=TOKEN_LENGTH, output_type="latent",
-                generator=[torch.Generator().manual_seed(s) for s in seeds]).images
+                generator=[torch.Generator().manual_seed(s) for s in seeds], **kw).images
     return stock._unpack_latents(out, res, res, stock.vae_scale_factor).float()
 
 

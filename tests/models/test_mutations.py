@@ -10,6 +10,8 @@ runs against the stock pipeline — expecting it to fail:
   rescale; SD3's classifier-free guidance with the conditional and unconditional branches swapped;
 - text mask: Qwen-Image's padded text tokens attended (the mask dropped). SD3 and FLUX.1 pad every prompt to one
   length and pass no mask; SD3 does not pack (its transformer patchifies): those cells do not exist.
+The editing families (FLUX.1-Kontext, Qwen-Image-Edit-Plus) run their text-to-image family's code with a reference
+image: the same bugs, against their own parity tests.
 """
 
 from __future__ import annotations
@@ -85,13 +87,20 @@ def _qwen_mask(mp):
 
 
 @pytest.fixture(scope="module")
-def pipes():
-    from gerl.models.tiny import build_tiny_flux
-    from gerl.models.tiny_qwenimage import build_tiny_qwenimage
+def pipes(tmp_path_factory):
+    from gerl.models.tiny import build_tiny_flux, build_tiny_flux_kontext
+    from gerl.models.tiny_qwenimage import build_tiny_qwenimage, build_tiny_qwenimage_edit_plus
+    from tests.models.test_flux_kontext import picture
 
-    built = {"flux": build_tiny_flux(0), "qwenimage": build_tiny_qwenimage(0)}
+    built = {"flux": build_tiny_flux(0), "qwenimage": build_tiny_qwenimage(0), "kontext": build_tiny_flux_kontext(0),
+             "qwenimage_edit": build_tiny_qwenimage_edit_plus(0)}
     for p in built.values():
         p.set_progress_bar_config(disable=True)
+    d = tmp_path_factory.mktemp("mutation_images")  # the editing parity tests' image sizes
+    for name, (w, h) in {"k0": (96, 64), "k1": (96, 64), "k2": (80, 80), "q0": (160, 96), "q1": (160, 96)}.items():
+        picture(w, h, len(name) + ord(name[1])).save(d / f"{name}.png")
+    built["kontext_images"] = [str(d / f"k{i}.png") for i in range(3)]
+    built["edit_images"] = [str(d / f"q{i}.png") for i in range(2)]
     return built
 
 
@@ -115,6 +124,18 @@ def _qwen_parity(pipes, tiny_pipe):
     parity(pipes["qwenimage"], 4.0)  # true CFG, prompts of 8 and 14 tokens in one batch
 
 
+def _kontext_parity(pipes, tiny_pipe):
+    from tests.models.test_flux_kontext import test_ode_sampling_reproduces_the_stock_kontext_pipeline as parity
+
+    parity(pipes["kontext"], pipes["kontext_images"])  # guidance 2.5, 256 px (the real 512² token count)
+
+
+def _edit_parity(pipes, tiny_pipe):
+    from tests.models.test_qwenimage_edit import test_ode_sampling_reproduces_the_stock_edit_pipeline as parity
+
+    parity(pipes["qwenimage_edit"], pipes["edit_images"], 4.0)  # true CFG, 512 px, prompts of different lengths
+
+
 CASES = {  # family/bug → (the bug, the family's parity test)
     "sd3-shift": (_sd3_shift, _sd3_parity),
     "sd3-guidance": (_sd3_guidance, _sd3_parity),
@@ -125,6 +146,14 @@ CASES = {  # family/bug → (the bug, the family's parity test)
     "qwenimage-packing": (_qwen_packing, _qwen_parity),
     "qwenimage-guidance": (_qwen_guidance, _qwen_parity),
     "qwenimage-mask": (_qwen_mask, _qwen_parity),
+    # the editing families share their text-to-image family's code, and their parity tests see its bugs too
+    "flux_kontext-shift": (_flux_shift, _kontext_parity),
+    "flux_kontext-packing": (_flux_packing, _kontext_parity),
+    "flux_kontext-guidance": (_flux_guidance, _kontext_parity),
+    "qwenimage_edit-shift": (_qwen_shift, _edit_parity),
+    "qwenimage_edit-packing": (_qwen_packing, _edit_parity),
+    "qwenimage_edit-guidance": (_qwen_guidance, _edit_parity),
+    "qwenimage_edit-mask": (_qwen_mask, _edit_parity),
 }
 
 
@@ -136,7 +165,11 @@ def test_the_family_s_parity_test_fails_against_the_bug(case, pipes, tiny_pipe, 
         parity(pipes, tiny_pipe)
 
 
-@pytest.mark.parametrize("family", ["sd3", "flux", "qwenimage"])
+CONTROLS = {"sd3": _sd3_parity, "flux": _flux_parity, "qwenimage": _qwen_parity, "flux_kontext": _kontext_parity,
+            "qwenimage_edit": _edit_parity}
+
+
+@pytest.mark.parametrize("family", list(CONTROLS))
 def test_the_parity_tests_pass_without_a_bug(family, pipes, tiny_pipe):
     """The control: the same calls pass on the families as they are (so a failure above is the bug's)."""
-    {"sd3": _sd3_parity, "flux": _flux_parity, "qwenimage": _qwen_parity}[family](pipes, tiny_pipe)
+    CONTROLS[family](pipes, tiny_pipe)

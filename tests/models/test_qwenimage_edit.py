@@ -55,14 +55,15 @@ def pipe():
 def images(tmp_path_factory):
     d = tmp_path_factory.mktemp("edit_images")
     paths = []
-    for i, (w, h) in enumerate([(160, 96), (96, 160), (128, 128)]):
+    for i, (w, h) in enumerate([(160, 96), (160, 96), (96, 160)]):
         picture(w, h, 10 + i).save(d / f"{i}.png")
         paths.append(str(d / f"{i}.png"))
     return paths
 
 
-def stock_latents(pipeline, prompts, paths, seeds, steps, cfg, res=RES, cond=COND):
-    """The stock call's final latents (B, 16, h, w), one prompt per call (its only batch size)."""
+def stock_latents(pipeline, prompts, paths, seeds, steps, cfg, res=RES, cond=COND, noise=None):
+    """The stock call's final latents (B, 16, h, w), one prompt per call (its only batch size); `noise`
+    (B, 16, h, w): the initial latents, in the pipeline's dtype, instead of the seeds' draw."""
     from diffusers import QwenImageEditPlusPipeline
     from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as module
     from PIL import Image
@@ -72,11 +73,13 @@ def stock_latents(pipeline, prompts, paths, seeds, steps, cfg, res=RES, cond=CON
     stock.set_progress_bar_config(disable=True)
     out = []
     with mock.patch.object(module, "VAE_IMAGE_SIZE", cond * cond):
-        for prompt, path, seed in zip(prompts, paths, seeds):
+        for i, (prompt, path, seed) in enumerate(zip(prompts, paths, seeds)):
+            kw = {} if noise is None else {
+                "latents": stock._pack_latents(noise[i:i + 1], 1, *noise.shape[1:]).to(stock.transformer.dtype)}
             tokens = stock(image=Image.open(path).convert("RGB"), prompt=prompt,
                            negative_prompt=" " if cfg > 1 else None, true_cfg_scale=cfg, height=res, width=res,
                            num_inference_steps=steps, generator=torch.Generator().manual_seed(seed),
-                           output_type="latent").images
+                           output_type="latent", **kw).images
             out.append(stock._unpack_latents(tokens, res, res, stock.vae_scale_factor)[:, :, 0].float())
     return torch.cat(out)
 
@@ -92,8 +95,9 @@ def ours(pipe, prompts, paths, seeds, steps, cfg, res=RES, cond=COND):
 
 @pytest.mark.parametrize("cfg", [1.0, 4.0], ids=["no_cfg", "true_cfg"])
 def test_ode_sampling_reproduces_the_stock_edit_pipeline(pipe, images, cfg):
-    """Two prompts of different lengths with references of different sizes (160 × 96 and 96 × 160 at an area of
-    128²): gerl's one batch, the stock call's two."""
+    """Two prompts of different lengths with two 160 × 96 references (at an area of 128²): gerl's one batch — one
+    transformer call, the shorter prompt padded and masked — against the stock call's two. (References of
+    different sizes in one batch: the ratio test in test_families.py.)"""
     assert family_of(pipe) is EDIT and EDIT.conditioned
     ref = stock_latents(pipe, PROMPTS, images[:2], SEEDS, 3, cfg)
     got = ours(pipe, PROMPTS, images[:2], SEEDS, 3, cfg)
