@@ -26,6 +26,7 @@ from gerl.models import arch
 from gerl.models.loader import DTYPES, add_lora
 from gerl.plan import plan_for_config
 from gerl.plan.arch import module_from_config
+from gerl.plan.edit import PICTURE_TOKENS, VISION_TOKENS
 from gerl.plan.qwenimage import NEGATIVE_TOKENS
 from gerl.sampling.loop import Embeds, Schedule, Trajectory, denoise
 from gerl.workers.actor import ActorWorker
@@ -34,7 +35,12 @@ from tests.plan_allocator import KERNELS, existing_bytes, scratch_free_peak
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = {"flux": str(REPO / "recipes" / "flow_grpo_flux_ocr.yaml"),
-           "qwenimage": str(REPO / "recipes" / "flow_grpo_qwenimage_ocr.yaml")}
+           "qwenimage": str(REPO / "recipes" / "flow_grpo_qwenimage_ocr.yaml"),
+           "flux_kontext": str(REPO / "recipes" / "flow_grpo_flux_kontext_edit.yaml"),
+           "qwenimage_edit": str(REPO / "recipes" / "flow_grpo_qwenimage_edit.yaml")}
+# the editing families: their text-to-image family's narrowed configs, their pipeline class in model_index.json
+EDIT_BASE = {"flux_kontext": ("flux", "FluxKontextPipeline"), "qwenimage_edit": ("qwenimage", "QwenImageEditPlusPipeline")}
+COND_RES = 128  # the editing families' reference: 128² px → 16 × 16 latents → 64 tokens, as many as the image's
 RES, TEXT, WIDTH, POOLED = 128, 8, 256, 64  # px; prompt tokens (T5 / Qwen); text width; FLUX's pooled width
 LATENT = (16, RES // 8, RES // 8)
 B = 2  # images per step: one optimizer step of two training micro-batches
@@ -69,14 +75,18 @@ def _narrow(family: str) -> dict[str, dict]:
             "text_encoder": dict(text, text_config=dict(published["text_config"], **text), vision_config=vision)}
 
 
-@pytest.fixture(scope="module", params=["flux", "qwenimage"])
+@pytest.fixture(scope="module", params=["flux", "qwenimage", pytest.param("flux_kontext", marks=pytest.mark.slow),
+                                        pytest.param("qwenimage_edit", marks=pytest.mark.slow)])
 def family(request, tmp_path_factory):
     name = request.param
+    base, pipeline = EDIT_BASE.get(name, (name, None))
     path = tmp_path_factory.mktemp(f"{name}_narrow")
-    folder = {"flux": "flux.1-dev", "qwenimage": "qwen-image"}[name]
-    for c, change in _narrow(name).items():
+    folder = {"flux": "flux.1-dev", "qwenimage": "qwen-image"}[base]
+    for c, change in _narrow(base).items():
         (path / c).mkdir()
         (path / c / "config.json").write_text(json.dumps(dict(arch.load_config(folder, c), **change)))
+    if pipeline:
+        (path / "model_index.json").write_text(json.dumps({"_class_name": pipeline}))
     return name, path
 
 
@@ -87,7 +97,7 @@ def _config(family, checkpointing: bool, *extra: str):
             f"model.resolution={RES}", f"model.max_sequence_length={TEXT}", "data.prompts_per_step=1",
             f"data.group_size={B}", f"sampling.micro_batch_size={B}", "train.micro_batch_size=1",
             f"train.mini_batch_size={B}", "sampling.sde_window_size=0", "model.lora_rank=4", "model.lora_alpha=8",
-            *extra]
+            f"model.condition_resolution={COND_RES}", *extra]
     return load_config(RECIPES[name], over)
 
 
@@ -119,12 +129,24 @@ def _module(family, component: str, dtype: torch.dtype, cfg=None) -> torch.nn.Mo
 
 def _embeds(name: str, b: int, dtype: torch.dtype, g: torch.Generator) -> Embeds:
     """Cached text embeddings as the plan holds them: FLUX T5 tokens and CLIP's pooled vector; Qwen-Image the
-    prompts' tokens and the negative prompt's (true CFG), no mask (none padded)."""
+    prompts' tokens and the negative prompt's (true CFG), no mask (none padded). The editing families: the same and
+    a COND_RES² reference's 64 tokens; Qwen-Image-Edit-Plus's prompts carry the condition image's 196 tokens and its
+    6 markers (gerl/plan/edit.py)."""
     def text(n):
         return torch.randn(b, n, WIDTH, generator=g).to(dtype)
-    if name == "flux":
-        return Embeds(text(TEXT), torch.randn(b, POOLED, generator=g).to(dtype))
-    return Embeds(text(TEXT), None, text(NEGATIVE_TOKENS))
+    base = EDIT_BASE.get(name, (name,))[0]
+    if base == "flux":
+        e = Embeds(text(TEXT), torch.randn(b, POOLED, generator=g).to(dtype))
+    elif name == "qwenimage_edit":
+        extra = VISION_TOKENS + PICTURE_TOKENS
+        e = Embeds(text(TEXT + extra), None, text(NEGATIVE_TOKENS + extra))
+    else:
+        e = Embeds(text(TEXT), None, text(NEGATIVE_TOKENS))
+    if name in EDIT_BASE:
+        side = COND_RES // 8
+        e.cond = torch.randn(b, (side // 2) ** 2, 64, generator=g).to(dtype)
+        e.cond_hw = torch.tensor([[side, side]] * b)
+    return e
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
@@ -196,7 +218,7 @@ def test_qwenimage_vae_decode_matches_the_cpu_allocator(family):
 
     name, _ = family
     if name != "qwenimage":
-        pytest.skip("FLUX.1's VAE is SD3's class (AutoencoderKL)")
+        pytest.skip("FLUX.1's VAE is SD3's class (AutoencoderKL); the editing families decode as theirs")
     cfg = _config(family, False, *ROLLOUT)
     (phase,) = [p for p in _plan(family, *ROLLOUT).role("rollout").phases if p.name.startswith("VAE decode")]
     vae = _module(family, "vae", torch.float32)

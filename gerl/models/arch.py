@@ -34,6 +34,8 @@ HUB_IDS = {
     "black-forest-labs/FLUX.1-dev": "flux.1-dev",
     "black-forest-labs/FLUX.1-schnell": "flux.1-schnell",
     "Qwen/Qwen-Image": "qwen-image",
+    "black-forest-labs/FLUX.1-Kontext-dev": "flux.1-kontext-dev",
+    "Qwen/Qwen-Image-Edit-2509": "qwen-image-edit-2509",
 }
 FIRST = ("transformer", "vae")  # listed first by `components`; the text encoders follow by name
 

@@ -285,6 +285,18 @@ def resolution_shift(image_seq_len: int, config, default_max_shift: float) -> fl
 HUB_ID = re.compile(r"[\w.\-]+/[\w.\-]+")
 
 
+def shipped_family(hub_id: str) -> Family | None:
+    """The family of a hub id whose published configs ship under assets/configs with their model_index.json
+    (gerl.models.arch.HUB_IDS), read offline; None for any other."""
+    folder = Path(__file__).resolve().parents[2] / "assets" / "configs"
+    import gerl.models.arch as shipped  # lazily: it imports torch
+
+    index = folder / shipped.HUB_IDS.get(hub_id, "-") / "model_index.json"
+    if not index.is_file():
+        return None
+    return by_pipeline_class(pipeline_class_in(index.parent, f"model.path {hub_id}"), f"model.path {hub_id}")
+
+
 def family_for_path(path: str, local_files_only: bool = True) -> Family | None:
     """The family of model.path, before anything loads: a tiny model's, a directory's by its model_index.json, a hub
     id's from its model_index.json in the local HF cache (or downloaded when `local_files_only` is False).
@@ -307,7 +319,7 @@ def family_for_path(path: str, local_files_only: bool = True) -> Family | None:
         index = hf_hub_download(path, "model_index.json", local_files_only=local_files_only)
     except Exception as e:  # noqa: BLE001 — not cached, gated, offline: the caller decides what that means
         if local_files_only:
-            return None
+            return shipped_family(path)
         raise UserError(f"cannot load {path} from the hub or the local HF cache ({type(e).__name__}: "
                         f"{str(e).splitlines()[0][:160] if str(e) else ''}); run `hf download {path}` where there "
                         "is network, or pass a local directory") from None

@@ -231,3 +231,20 @@ def test_editing_families_log_no_mfu_rather_than_a_wrong_one():
     assert model_configs("tiny-flux", load_pipeline("tiny-flux")).family == "flux"
     with pytest.raises(ValueError, match="no FLOPs model .* Flux2Transformer2DModel"):
         family_of_config({"_class_name": "Flux2Transformer2DModel", "num_single_layers": 20})
+
+
+def test_the_editing_models_configs_ship_and_plan_offline():
+    """FLUX.1-Kontext-dev and Qwen-Image-Edit-2509 share their transformer's class with FLUX.1 and Qwen-Image: their
+    shipped model_index.json (assets/configs) names the family offline, and `gerl plan` takes the editing plan
+    (its reference image's tokens counted: gerl/plan/edit.py; checked against the CPU allocator in
+    tests/test_plan_families.py)."""
+    from gerl.config import ModelConfig
+    from gerl.plan.edit import FluxKontextPlan, QwenImageEditPlan
+    from gerl.plan.family import family_for
+
+    for hub, name, plan in (("black-forest-labs/FLUX.1-Kontext-dev", "flux_kontext", FluxKontextPlan),
+                            ("Qwen/Qwen-Image-Edit-2509", "qwenimage_edit", QwenImageEditPlan)):
+        assert family_for_path(hub).name == name
+        fam = family_for(ModelConfig(path=hub, condition_resolution=512))
+        assert type(fam) is plan and "512² reference image (1024 tokens)" in fam.describe()
+    assert family_for_path("black-forest-labs/FLUX.1-dev").name == "flux"  # its model_index.json ships too
