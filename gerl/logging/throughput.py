@@ -255,7 +255,10 @@ def model_configs(model_path: str, pipe=None) -> ModelConfigs | None:
         return None
     if pipe is not None and getattr(pipe, "vae", None) is not None:
         t = dict(pipe.transformer.config, _class_name=type(pipe.transformer).__name__)
-        return ModelConfigs(t, pipe.vae, vae_scale_factor(pipe.vae.config), family_of_config(t))
+        try:
+            return ModelConfigs(t, pipe.vae, vae_scale_factor(pipe.vae.config), family_of_config(t))
+        except ValueError:  # a family the FLOPs model does not count (FLUX.2-klein, Z-Image): no mfu
+            return None
     if model_path in TINY_MODELS:  # built in code, no configs on disk (and no ~4 s diffusers import to find that out)
         return None
     local = Path(model_path)

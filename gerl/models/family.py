@@ -35,10 +35,12 @@ TINY_MODELS = {
     "tiny-qwenimage": ("qwenimage", ""),  # gerl.models.tiny_qwenimage.build_tiny_qwenimage: Qwen-Image's scheduler
     "tiny-flux-kontext": ("flux_kontext", ""),  # gerl.models.tiny.build_tiny_flux_kontext: tiny-flux's parts, editing
     "tiny-qwenimage-edit": ("qwenimage_edit", ""),  # gerl.models.tiny_qwenimage.build_tiny_qwenimage_edit_plus
+    "tiny-flux2-klein": ("flux2", ""),  # gerl.models.tiny_qwen3.build_tiny_flux2_klein: the base (CFG) model's layout
+    "tiny-zimage": ("zimage", ""),  # gerl.models.tiny_qwen3.build_tiny_zimage: Z-Image-Turbo's scheduler
 }
 # each registers its family on import; a family sharing its transformer class with another comes after it
 _MODULES = ("gerl.models.sd3", "gerl.models.flux", "gerl.models.qwenimage", "gerl.models.flux_kontext",
-            "gerl.models.qwenimage_edit")
+            "gerl.models.qwenimage_edit", "gerl.models.flux2", "gerl.models.zimage")
 _REGISTRY: dict[str, "Family"] = {}
 
 

@@ -13,8 +13,9 @@ Qwen-Image (true CFG 4, 64 px) 50.5 | 50.7 | 52.7 — gerl's bf16 differs from s
 differs from fp32, and is as close to the fp32 images as stock bf16 is. The editing families, with two 64 × 64
 references (their images decoded by the family's decode from the stock call's latents and from gerl's, on the same
 bf16 VAE: the sampling alone): tiny FLUX.1-Kontext (guidance 2.5, 128 px) 50.8, tiny Qwen-Image-Edit-Plus (true CFG 4,
-64 px) 52.3 (both inf in fp32). The stated bound, per family: `PSNR_DB` (44 dB SD3, 45 dB FLUX.1, 47.5 dB
-Qwen-Image, 46 dB FLUX.1-Kontext, 48 dB Qwen-Image-Edit-Plus).
+64 px) 52.3 (both inf in fp32); tiny FLUX.2-klein (CFG 4, 128 px) 47.0 and tiny Z-Image (gerl's guidance 4 = the stock
+call's 3, 128 px) 50.7, both inf in fp32. The stated bound, per family: `PSNR_DB` (44 dB SD3, 45 dB FLUX.1, 47.5 dB
+Qwen-Image, 46 dB FLUX.1-Kontext, 48 dB Qwen-Image-Edit-Plus, 43 dB FLUX.2-klein, 46 dB Z-Image).
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ COND = 64  # the editing families' reference area (64²): each test image is tha
 # ids on axis 0 instead of 1 stayed above its bound. The fp32 parity tests catch every one of them; this test bounds
 # what bf16 and gerl's fp32 latents add on top.
 CASES = {"tiny": (64, 3.0, 44.0), "tiny-flux": (128, 3.5, 45.0), "tiny-qwenimage": (64, 4.0, 47.5),
-         "tiny-flux-kontext": (128, 2.5, 46.0), "tiny-qwenimage-edit": (64, 4.0, 48.0)}
+         "tiny-flux-kontext": (128, 2.5, 46.0), "tiny-qwenimage-edit": (64, 4.0, 48.0),
+         "tiny-flux2-klein": (128, 4.0, 43.0), "tiny-zimage": (128, 4.0, 46.0)}
 PSNR_DB = {name: bound for name, (_, _, bound) in CASES.items()}
 
 
@@ -49,7 +51,7 @@ def stock_bf16(pipe, family, noise, res, guidance) -> torch.Tensor:
     """The stock pipeline's uint8 images (B, H, W, 3) from `noise` (B, C, h, w), in the pipeline's dtype."""
     sp = type(pipe)(**{**pipe.components, "scheduler": copy.deepcopy(pipe.scheduler)})
     sp.set_progress_bar_config(disable=True)
-    kw = dict(prompt=PROMPTS, num_inference_steps=STEPS, height=res, width=res, max_sequence_length=TOKENS,
+    kw = dict(prompt=list(PROMPTS), num_inference_steps=STEPS, height=res, width=res, max_sequence_length=TOKENS,
               output_type="pt")
     B, C, h, w = noise.shape
     dtype = pipe.transformer.dtype
@@ -57,6 +59,10 @@ def stock_bf16(pipe, family, noise, res, guidance) -> torch.Tensor:
         kw.update(guidance_scale=guidance, negative_prompt="", latents=noise.to(dtype))
     elif family.name == "flux":
         kw.update(guidance_scale=guidance, latents=sp._pack_latents(noise, B, C, h, w).to(dtype))
+    elif family.name == "flux2":  # the patchified, normalised noise as its own draw lays it out
+        kw.update(guidance_scale=guidance, latents=noise.to(dtype))
+    elif family.name == "zimage":  # its latents stay fp32; gerl's s = 1 + the stock g
+        kw.update(guidance_scale=guidance - 1, latents=noise.clone())
     else:  # true CFG with verl-omni's negative prompt, as test_qwenimage.py calls it
         kw.update(true_cfg_scale=guidance, negative_prompt=" ", latents=sp._pack_latents(noise, B, C, h, w).to(dtype))
     with torch.no_grad():

@@ -37,7 +37,8 @@ def test_each_tiny_model_and_saved_directory_is_its_familys(tiny_dir, tmp_path):
 
     assert {name: family_for_path(name).name for name in TINY_MODELS} == {
         "tiny": "sd3", "tiny-flux": "flux", "tiny-flux-schnell": "flux", "tiny-qwenimage": "qwenimage",
-        "tiny-flux-kontext": "flux_kontext", "tiny-qwenimage-edit": "qwenimage_edit"}
+        "tiny-flux-kontext": "flux_kontext", "tiny-qwenimage-edit": "qwenimage_edit", "tiny-flux2-klein": "flux2",
+        "tiny-zimage": "zimage"}
     assert family_for_path(str(tiny_dir)).name == "sd3"
     save_tiny_flux(tmp_path / "flux", 0)
     assert model_family(str(tmp_path / "flux")).name == "flux"

@@ -11,7 +11,9 @@ runs against the stock pipeline — expecting it to fail:
 - text mask: Qwen-Image's padded text tokens attended (the mask dropped). SD3 and FLUX.1 pad every prompt to one
   length and pass no mask; SD3 does not pack (its transformer patchifies): those cells do not exist.
 The editing families (FLUX.1-Kontext, Qwen-Image-Edit-Plus) run their text-to-image family's code with a reference
-image: the same bugs, against their own parity tests.
+image: the same bugs, against their own parity tests. FLUX.2-klein packs without a 2×2 patch (its latents are
+patchified already) and pads its text (no mask); Z-Image's transformer patchifies itself, its Turbo schedule has a
+static shift, and its guidance scale is offset by one from the stock call's.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import pytest
 import torch
 
 from gerl.models import flux as flux_mod
+from gerl.models import flux2 as flux2_mod
+from gerl.models import zimage as zimage_mod
 from gerl.models import qwenimage as qwen_mod
 from gerl.models import qwenimage_math as qm
 from gerl.models import sd3 as sd3_mod
@@ -86,14 +90,46 @@ def _qwen_mask(mp):
     mp.setattr(qwen_mod, "_text", lambda prompt, mask, dtype: (real(prompt, mask, dtype)[0], None))
 
 
+def _klein_shift(mp):
+    real = flux2_mod.Flux2Klein.schedule
+    mp.setattr(flux2_mod.Flux2Klein, "schedule",
+               lambda self, config, n, shape: real(self, config, n, (shape[0], 2 * shape[1], 2 * shape[2])))
+
+
+def _klein_packing(mp):
+    mp.setattr(flux2_mod, "pack", lambda x: x.transpose(2, 3).reshape(*x.shape[:2], -1).permute(0, 2, 1))
+    mp.setattr(flux2_mod, "unpack", lambda t, h, w: t.permute(0, 2, 1).reshape(t.shape[0], -1, w, h).transpose(2, 3))
+
+
+def _klein_guidance(mp):
+    real = flux2_mod.Flux2Klein.velocity
+    mp.setattr(flux2_mod.Flux2Klein, "velocity", lambda self, tr, x, t, e, g: real(self, tr, x, t, e, 1.0))
+
+
+def _zimage_shift(mp):
+    real = zimage_mod.ZImage.schedule
+    mp.setattr(zimage_mod.ZImage, "schedule", lambda self, config, n, shape: real(self, {**config, "shift": 1.0}, n, shape))
+
+
+def _zimage_guidance(mp):  # the stock scale g taken for gerl's s = 1 + g
+    real = zimage_mod.ZImage.velocity
+    mp.setattr(zimage_mod.ZImage, "velocity", lambda self, tr, x, t, e, g: real(self, tr, x, t, e, g + 1 if g > 1 else g))
+
+
+def _zimage_mask(mp):
+    mp.setattr(zimage_mod, "_rows", lambda prompt, mask, dtype: list(prompt.to(dtype).unbind(0)))
+
+
 @pytest.fixture(scope="module")
 def pipes(tmp_path_factory):
     from gerl.models.tiny import build_tiny_flux, build_tiny_flux_kontext
+    from gerl.models.tiny_qwen3 import build_tiny_flux2_klein, build_tiny_zimage
     from gerl.models.tiny_qwenimage import build_tiny_qwenimage, build_tiny_qwenimage_edit_plus
     from tests.models.test_flux_kontext import picture
 
     built = {"flux": build_tiny_flux(0), "qwenimage": build_tiny_qwenimage(0), "kontext": build_tiny_flux_kontext(0),
-             "qwenimage_edit": build_tiny_qwenimage_edit_plus(0)}
+             "qwenimage_edit": build_tiny_qwenimage_edit_plus(0), "flux2": build_tiny_flux2_klein(0),
+             "zimage": build_tiny_zimage(0)}
     for p in built.values():
         p.set_progress_bar_config(disable=True)
     d = tmp_path_factory.mktemp("mutation_images")  # the editing parity tests' image sizes
@@ -136,6 +172,18 @@ def _edit_parity(pipes, tiny_pipe):
     parity(pipes["qwenimage_edit"], pipes["edit_images"], 4.0)  # true CFG, 512 px, prompts of different lengths
 
 
+def _klein_parity(pipes, tiny_pipe):
+    from tests.models.test_flux2_zimage import test_klein_ode_sampling_reproduces_the_stock_pipeline as parity
+
+    parity(pipes["flux2"], 4.0)  # classifier-free guidance, 256 px (1024 tokens)
+
+
+def _zimage_parity(pipes, tiny_pipe):
+    from tests.models.test_flux2_zimage import test_zimage_ode_sampling_reproduces_the_stock_pipeline as parity
+
+    parity(pipes["zimage"], 3.0)  # the stock g = 3 (gerl's 4), prompts of different lengths, 256 px
+
+
 CASES = {  # family/bug → (the bug, the family's parity test)
     "sd3-shift": (_sd3_shift, _sd3_parity),
     "sd3-guidance": (_sd3_guidance, _sd3_parity),
@@ -154,6 +202,12 @@ CASES = {  # family/bug → (the bug, the family's parity test)
     "qwenimage_edit-packing": (_qwen_packing, _edit_parity),
     "qwenimage_edit-guidance": (_qwen_guidance, _edit_parity),
     "qwenimage_edit-mask": (_qwen_mask, _edit_parity),
+    "flux2-shift": (_klein_shift, _klein_parity),  # FLUX.2's shift over the unpatchified count
+    "flux2-packing": (_klein_packing, _klein_parity),  # tokens column by column
+    "flux2-guidance": (_klein_guidance, _klein_parity),  # the scale never reaching the CFG combine
+    "zimage-shift": (_zimage_shift, _zimage_parity),  # Turbo's static shift 3 ignored
+    "zimage-guidance": (_zimage_guidance, _zimage_parity),  # gerl's s read as the stock g
+    "zimage-mask": (_zimage_mask, _zimage_parity),  # padded caption tokens handed to the transformer
 }
 
 
@@ -166,7 +220,7 @@ def test_the_family_s_parity_test_fails_against_the_bug(case, pipes, tiny_pipe, 
 
 
 CONTROLS = {"sd3": _sd3_parity, "flux": _flux_parity, "qwenimage": _qwen_parity, "flux_kontext": _kontext_parity,
-            "qwenimage_edit": _edit_parity}
+            "qwenimage_edit": _edit_parity, "flux2": _klein_parity, "zimage": _zimage_parity}
 
 
 @pytest.mark.parametrize("family", list(CONTROLS))
