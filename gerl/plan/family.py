@@ -92,9 +92,22 @@ def _qwenimage_edit(arch: Architecture, model: ModelConfig) -> PlanFamily:
     return qwenimage_edit(arch, model)
 
 
+def _flux2(arch: Architecture, model: ModelConfig) -> PlanFamily:
+    from gerl.plan.qwen3 import Flux2KleinPlan
+
+    return Flux2KleinPlan(arch, model.max_sequence_length)
+
+
+def _zimage(arch: Architecture, model: ModelConfig) -> PlanFamily:
+    from gerl.plan.qwen3 import ZImagePlan
+
+    return ZImagePlan(arch, model.max_sequence_length)
+
+
 # transformer class name → builder of its family from the configs and the model's settings
 FAMILIES: dict[str, Callable[[Architecture, ModelConfig], PlanFamily]] = {
-    "SD3Transformer2DModel": _sd3, "FluxTransformer2DModel": _flux, "QwenImageTransformer2DModel": _qwenimage}
+    "SD3Transformer2DModel": _sd3, "FluxTransformer2DModel": _flux, "QwenImageTransformer2DModel": _qwenimage,
+    "Flux2Transformer2DModel": _flux2, "ZImageTransformer2DModel": _zimage}
 # the editing families (gerl.models.family names), which share a transformer class above (gerl/plan/edit.py)
 EDITING: dict[str, Callable[[Architecture, ModelConfig], PlanFamily]] = {
     "flux_kontext": _kontext, "qwenimage_edit": _qwenimage_edit}
