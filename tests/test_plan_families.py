@@ -176,6 +176,8 @@ def test_actor_peak_matches_the_cpu_allocator(family, checkpointing):
     name, _ = family
     if name in QWEN3_FAMILIES:  # measured at the tiny widths: planned 3–15 % under (left open: docs/lab_notebook.md)
         pytest.skip("FLUX.2-klein's and Z-Image's training phase is not held to the allocator yet")
+    if name in EDIT_BASE and not checkpointing:  # the suite's time: the checkpointed run holds the same reference
+        pytest.skip("the editing families' actor is checked with checkpointing on (their reference tokens count alike)")
     cfg = _config(family, checkpointing)
     actor = _plan(family).role("actor")
     top = max(actor.phases_with(checkpointing), key=lambda p: p.gib)
