@@ -36,6 +36,7 @@ HUB_IDS = {
     "Qwen/Qwen-Image": "qwen-image",
     "black-forest-labs/FLUX.1-Kontext-dev": "flux.1-kontext-dev",
     "Qwen/Qwen-Image-Edit-2509": "qwen-image-edit-2509",
+    "Tongyi-MAI/Z-Image-Turbo": "z-image-turbo",
 }
 FIRST = ("transformer", "vae")  # listed first by `components`; the text encoders follow by name
 

@@ -147,3 +147,23 @@ def test_a_stock_saved_directory_trains_and_its_lora_loads_back_into_the_stock_p
             mine = vae_latents(trained.vae, mine)
     assert (mine - base.float()).abs().max() > 1e-2, "training must change the policy for this test to mean anything"
     torch.testing.assert_close(loaded.float(), mine, rtol=0, atol=1e-5)
+
+
+def test_z_image_turbo_s_shipped_configs_count_its_published_sizes_and_plan_offline():
+    """assets/configs/z-image-turbo: the transformer (diffusers' class defaults, Z-Image's) counts the model card's
+    6 B, the text encoder Qwen3-4B's 4.0 B; the hub id names the family offline (its model_index.json), and its scheduler
+    is the tiny model's (Turbo's static shift 3)."""
+    from gerl.config import ModelConfig
+    from gerl.models import arch
+    from gerl.models.family import family_for_path
+    from gerl.models.tiny_qwen3 import ZIMAGE_SCHEDULER
+    from gerl.plan.family import family_for
+    from gerl.plan.qwen3 import ZImagePlan
+
+    with torch.device("meta"):
+        built = arch.build("Tongyi-MAI/Z-Image-Turbo", ["transformer", "text_encoder"])
+    assert arch.param_counts(built) == {"transformer": 6_154_908_736, "text_encoder": 4_022_468_096}
+    assert family_for_path("Tongyi-MAI/Z-Image-Turbo") is ZIMAGE
+    assert type(family_for(ModelConfig(path="Tongyi-MAI/Z-Image-Turbo"))) is ZImagePlan
+    sched = arch.load_config("z-image-turbo", "scheduler")
+    assert {k: sched[k] for k in ZIMAGE_SCHEDULER} == ZIMAGE_SCHEDULER
