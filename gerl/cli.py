@@ -404,7 +404,8 @@ def cmd_report(args) -> int:
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     run = " (default: the LoRA's run config.yaml, else %s)"
-    p.add_argument("--model", default=None, help="'tiny' (or tiny-flux, tiny-flux-schnell, tiny-qwenimage), 'ocr-mini', "
+    p.add_argument("--model", default=None, help="'tiny' (or tiny-flux, tiny-flux-schnell, tiny-qwenimage, tiny-flux-kontext, "
+                   "tiny-qwenimage-edit, tiny-flux2-klein, tiny-zimage), 'ocr-mini', "
                    "a local diffusers directory (SD3/SD3.5, FLUX.1 or Qwen-Image), or a hub id" + run % "tiny")
     p.add_argument("--lora", default=None, help="a checkpoint directory or .safetensors LoRA; a checkpoint of a run "
                    "directory also supplies model, resolution, sequence length, steps and guidance")

@@ -26,7 +26,7 @@ from gerl.errors import UserError
 
 @dataclass
 class ModelConfig:
-    path: str = "tiny"  # "tiny" (an SD3 built offline, seeded), "tiny-flux" / "tiny-flux-schnell" (FLUX.1-dev / -schnell built offline), "tiny-qwenimage" (Qwen-Image built offline), "ocr-mini" (shipped, draws 2-digit numbers), a local diffusers directory, or a hub id (e.g. stabilityai/stable-diffusion-3.5-medium, black-forest-labs/FLUX.1-dev, Qwen/Qwen-Image); its model_index.json picks the family (gerl/models/family.py)
+    path: str = "tiny"  # "tiny" (an SD3 built offline, seeded), "tiny-flux" / "tiny-flux-schnell" (FLUX.1-dev / -schnell built offline), "tiny-qwenimage" (Qwen-Image built offline), "tiny-flux-kontext" / "tiny-qwenimage-edit" (image editing: prompts need an "image"), "tiny-flux2-klein", "tiny-zimage", "ocr-mini" (shipped, draws 2-digit numbers), a local diffusers directory, or a hub id (e.g. stabilityai/stable-diffusion-3.5-medium, black-forest-labs/FLUX.1-dev, Qwen/Qwen-Image); its model_index.json picks the family (gerl/models/family.py)
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"  # transformer and text-encoder weights (the VAE: vae_dtype; LoRA weights stay fp32; SDE math is always fp32)
     vae_dtype: Literal["auto", "fp32", "bf16"] = "auto"  # the VAE's weights and decode: auto = bf16 on CUDA (1.4× fp32 with TF32 for SD3's VAE on an H200, 1.7× for Qwen-Image's), fp32 on a CPU, where bf16 is 3× slower without native bf16 instructions and CPU runs stay reproducible (gerl/models/vae.py). Images feed only the reward, so the ratio is exact either way; bf16's images are ≈ 50 dB PSNR from fp32's. No fp16: the decoder overflows to NaN
     device: str = "auto"  # "auto" = cuda if available else cpu; or an explicit torch device string

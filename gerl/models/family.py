@@ -1,9 +1,11 @@
-"""Model families: what differs between SD3/SD3.5, FLUX.1 and Qwen-Image lives behind one small interface.
+"""Model families: what differs between SD3/SD3.5, FLUX.1, Qwen-Image, the image-editing FLUX.1-Kontext and
+Qwen-Image-Edit-Plus, FLUX.2-klein and Z-Image lives behind one small interface.
 
 Everything above the velocity call is architecture-free (the SDE/CPS step and its log-prob, Flow-GRPO / Fast / NFT /
 AWM, the engine and its schedules, rewards, checkpoints). A family answers the few questions that are not: how its
 pipeline is loaded, how prompts become embeddings, the latent layout, the velocity call, the σ schedule, decoding,
-and the default LoRA targets. One file per family (gerl/models/sd3.py, flux.py, qwenimage.py) subclasses `Family`;
+and the default LoRA targets. One file per family (gerl/models/sd3.py, flux.py, qwenimage.py, flux_kontext.py,
+qwenimage_edit.py, flux2.py, zimage.py) subclasses `Family`;
 the trainer, the algorithms and the workers never ask which family they hold — a worker looks its family up once
 (`family_of(pipe)`) and calls its methods, and `gerl.sampling.loop.predict_velocity` dispatches on the transformer.
 
