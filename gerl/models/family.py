@@ -26,8 +26,12 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gerl.errors import UserError
+
+if TYPE_CHECKING:  # this module imports nothing heavy at run time
+    import torch
 
 # Offline tiny models by name (model.path=NAME): family name and the variant its builder takes.
 TINY_MODELS = {
@@ -224,7 +228,7 @@ def check_conditioning(family: Family, metadata: list[dict], where: str) -> None
                         f"image) does not take; use an image-editing model ({editing}) or drop the images")
 
 
-def condition_groups(embeds) -> list[tuple["torch.Tensor | None", tuple[int, int] | None]]:
+def condition_groups(embeds) -> list[tuple[torch.Tensor | None, tuple[int, int] | None]]:
     """The rows of a batch that share one conditioning grid, for a transformer that takes one image layout per call:
     [(row indices (n,) long, (h, w))], or [(None, None)] when the batch has no conditioning image or one grid only
     (the whole batch in one call)."""
