@@ -257,7 +257,7 @@ def run_step(step: int, mode: str, ctx) -> dict:
                            s.guidance_scale, gens)
             tc = sync(dev)
         with peaks.stage("decode"):
-            mb_images = decode(ctx.pipe.vae, traj.final_latents)
+            mb_images = decode(ctx.pipe.vae, traj.final_latents, family_of(ctx.pipe))
             td = sync(dev)
         t["encode_s"] += tb - ta
         t["generate_s"] += tc - tb

@@ -155,14 +155,18 @@ def _resolve_settings(args) -> None:
         raise UserError(f"--resolution {args.resolution} must be a multiple of 16")
 
 
-def _check_resolution(args) -> None:
+def _check_resolution(args, metadata: list[dict] | None = None) -> None:
     """--resolution against what the model can generate: reads its configs (imports diffusers and transformers, and
-    builds the tiny model), so it comes after the checks that need none of that."""
+    builds the tiny model), so it comes after the checks that need none of that. With the prompts' metadata, also
+    whether they carry the conditioning images the model's family takes (an editing model needs one per prompt)."""
+    from gerl.models.family import check_conditioning
     from gerl.models.loader import model_family
     from gerl.plan.arch import check_resolution
 
     quiet_libraries()
-    model_family(args.model)  # a directory gerl cannot train (another pipeline class, a broken model_index.json)
+    family = model_family(args.model)  # a directory gerl cannot train (another pipeline class, a broken model_index)
+    if family is not None and metadata is not None:
+        check_conditioning(family, metadata, args.prompts or "--prompt")
     check_resolution(args.model, args.resolution, f"--resolution {args.resolution}", args.tiny_seed or 0)
 
 
@@ -221,7 +225,8 @@ def _pipeline_for(args):
     if args.lora:
         load_lora_into_pipeline(pipe, args.lora)
     sampling = SamplingConfig(micro_batch_size=args.batch_size)
-    return RolloutWorker(pipe, TextEmbedder(pipe, args.max_sequence_length), sampling, args.resolution, args.seed)
+    embedder = TextEmbedder(pipe, args.max_sequence_length, condition_resolution=args.condition_resolution)
+    return RolloutWorker(pipe, embedder, sampling, args.resolution, args.seed)
 
 
 def _read_prompts(args) -> tuple[list[str], list[dict]]:
@@ -242,15 +247,18 @@ def cmd_sample(args) -> int:
     from gerl.paths import check_writable
 
     _resolve_settings(args)
-    texts, _ = _read_prompts(args)
+    texts, meta = _read_prompts(args)
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file; pass a directory")
     check_writable(out, f"--out {out}")
-    _check_resolution(args)
+    _check_resolution(args, meta)
+    from gerl.data.prompts import condition_images
+
     worker = _pipeline_for(args)
     prompts = [t for t in texts for _ in range(args.n)]
-    images = worker.sample_images(prompts, args.seed, args.num_steps, args.guidance)
+    images = worker.sample_images(prompts, args.seed, args.num_steps, args.guidance,
+                                  images=condition_images([m for m in meta for _ in range(args.n)]))
     out.mkdir(parents=True, exist_ok=True)
     for i, im in enumerate(images):
         im.save(out / f"{i:04d}.png")
@@ -308,7 +316,7 @@ def cmd_eval(args) -> int:
         check_writable(Path(args.out).parent, f"--out {args.out}")
     fn = build_reward(args.reward, kwargs)
     validate_reward_inputs(fn, texts, meta)
-    _check_resolution(args)
+    _check_resolution(args, meta)
     sampler = (f"{args.num_steps} ODE steps, guidance {args.guidance:g}, {args.resolution} px, "
                f"{args.max_sequence_length} T5 tokens, noise seed {args.seed}, {k} image(s) per prompt")
     print(f"gerl: eval sampler: {sampler}" + (" — the same for the base and the LoRA" if args.with_base else ""),
@@ -316,9 +324,12 @@ def cmd_eval(args) -> int:
     lora, args.lora = args.lora, (None if args.with_base else args.lora)
     worker = _pipeline_for(args)  # the base first when comparing, then its LoRA on the same pipeline
 
+    from gerl.data.prompts import condition_images, with_source_images
+
     def score() -> list:
-        images = worker.sample_images(prompts, args.seed, args.num_steps, args.guidance)
-        return _call_reward(args.reward, fn, images, prompts, metas)[0]
+        images = worker.sample_images(prompts, args.seed, args.num_steps, args.guidance,
+                                      images=condition_images(metas))
+        return _call_reward(args.reward, fn, images, prompts, with_source_images(metas))[0]
 
     result = {"reward": args.reward, "lora": lora, "num_prompts": len(texts), "images_per_prompt": k,
               "sampler": {"num_steps": args.num_steps, "guidance": args.guidance, "resolution": args.resolution,
@@ -370,7 +381,9 @@ def cmd_score(args) -> int:
     kwargs = _json_object(args.kwargs, "--kwargs")
     fn = build_reward(args.reward, kwargs)
     validate_reward_inputs(fn, prompts, metadata)
-    scores, extras = _call_reward(args.reward, fn, images, prompts, metadata)
+    from gerl.data.prompts import with_source_images
+
+    scores, extras = _call_reward(args.reward, fn, images, prompts, with_source_images(metadata))
     rows = [{"image": path, "prompt": p, "score": s, **{k: v[i] for k, v in extras.items()}}
             for i, (path, p, s) in enumerate(zip(args.images, prompts, scores))]
     print(json.dumps(_json_safe(rows), indent=1, default=str, allow_nan=False))
@@ -391,12 +404,16 @@ def cmd_report(args) -> int:
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     run = " (default: the LoRA's run config.yaml, else %s)"
-    p.add_argument("--model", default=None, help="'tiny' (or tiny-flux, tiny-flux-schnell, tiny-qwenimage), 'ocr-mini', "
+    p.add_argument("--model", default=None, help="'tiny' (or tiny-flux, tiny-flux-schnell, tiny-qwenimage, tiny-flux-kontext, "
+                   "tiny-qwenimage-edit, tiny-flux2-klein, tiny-zimage), 'ocr-mini', "
                    "a local diffusers directory (SD3/SD3.5, FLUX.1 or Qwen-Image), or a hub id" + run % "tiny")
     p.add_argument("--lora", default=None, help="a checkpoint directory or .safetensors LoRA; a checkpoint of a run "
                    "directory also supplies model, resolution, sequence length, steps and guidance")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
-    p.add_argument("--prompts", default=None, help="a .txt or .jsonl prompt file")
+    p.add_argument("--prompts", default=None, help="a .txt or .jsonl prompt file (an editing model's lines: "
+                   '{"prompt": ..., "image": PATH relative to the file})')
+    p.add_argument("--condition-resolution", type=int, default=0,
+                   help="image editing: the conditioning image's area as a side in pixels (0 = the stock pipeline's)")
     p.add_argument("--num-prompts", type=int, default=0, help="use the first N prompts of --prompts (0 = all)")
     p.add_argument("--num-steps", type=int, default=None, help="ODE denoising steps" + run % "40")
     p.add_argument("--guidance", type=float, default=None, help="classifier-free guidance scale" + run % "1.0")

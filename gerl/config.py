@@ -26,7 +26,7 @@ from gerl.errors import UserError
 
 @dataclass
 class ModelConfig:
-    path: str = "tiny"  # "tiny" (an SD3 built offline, seeded), "tiny-flux" / "tiny-flux-schnell" (FLUX.1-dev / -schnell built offline), "tiny-qwenimage" (Qwen-Image built offline), "ocr-mini" (shipped, draws 2-digit numbers), a local diffusers directory, or a hub id (e.g. stabilityai/stable-diffusion-3.5-medium, black-forest-labs/FLUX.1-dev, Qwen/Qwen-Image); its model_index.json picks the family (gerl/models/family.py)
+    path: str = "tiny"  # "tiny" (an SD3 built offline, seeded), "tiny-flux" / "tiny-flux-schnell" (FLUX.1-dev / -schnell built offline), "tiny-qwenimage" (Qwen-Image built offline), "tiny-flux-kontext" / "tiny-qwenimage-edit" (image editing: prompts need an "image"), "tiny-flux2-klein", "tiny-zimage", "ocr-mini" (shipped, draws 2-digit numbers), a local diffusers directory, or a hub id (e.g. stabilityai/stable-diffusion-3.5-medium, black-forest-labs/FLUX.1-dev, Qwen/Qwen-Image); its model_index.json picks the family (gerl/models/family.py)
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"  # transformer and text-encoder weights (the VAE: vae_dtype; LoRA weights stay fp32; SDE math is always fp32)
     vae_dtype: Literal["auto", "fp32", "bf16"] = "auto"  # the VAE's weights and decode: auto = bf16 on CUDA (1.4× fp32 with TF32 for SD3's VAE on an H200, 1.7× for Qwen-Image's), fp32 on a CPU, where bf16 is 3× slower without native bf16 instructions and CPU runs stay reproducible (gerl/models/vae.py). Images feed only the reward, so the ratio is exact either way; bf16's images are ≈ 50 dB PSNR from fp32's. No fp16: the decoder overflows to NaN
     device: str = "auto"  # "auto" = cuda if available else cpu; or an explicit torch device string
@@ -39,6 +39,7 @@ class ModelConfig:
     lora_init: Literal["default", "gaussian"] = "default"  # a fresh adapter's A: peft's default (Kaiming-uniform) or "gaussian" (N(0, 1/r): NFT's, AWM's and GeRL's); B starts at 0 either way, so the policy starts as the base
     init_lora: str = ""  # a directory or .safetensors of a LoRA to start from ("" = fresh adapter)
     text_cache_size: int = 4096  # prompts whose text embeddings are kept (LRU); text encoders never re-run for these
+    condition_resolution: int = 0  # image editing (FLUX.1-Kontext, Qwen-Image-Edit-Plus): the conditioning image is resized to this side's area (N² pixels) at its own aspect before the VAE encodes it; 0 = the stock pipeline's size (Kontext's preferred ~1 MP resolutions, Qwen-Image-Edit-Plus's 1024²). flow_grpo's edit runs use 512. Ignored by text-to-image families
     tiny_seed: int = 0  # seed of the randomly initialised tiny model (model.path = tiny)
     gradient_checkpointing: bool = False  # recompute each transformer block's activations in the backward pass: SD3.5-M's training activations at 512² micro-batch 8 drop from 23.8 to 1.8 GiB (28.5 → 6.5 GiB with the fp16 weights) for ~1/3 more training compute (`gerl plan` shows both)
     tf32: bool = True  # TF32 tensor cores for fp32 matmuls on Ampere+ GPUs (Flow-GRPO's allow_tf32); no effect on CPU
@@ -541,6 +542,7 @@ RANGES: dict[str, Range] = {
     "model.lora_rank": _ge(1),
     "model.lora_alpha": _gt(0),
     "model.text_cache_size": _ge(0),
+    "model.condition_resolution": Range(0, 4096, why="pixels per side of the conditioning image's area; 0 = the stock size"),
     "model.tiny_seed": SEED,
     "data.prompts_per_step": _ge(1),
     "data.group_size": _ge(2, "a group needs ≥ 2 images to normalise advantages"),

@@ -78,6 +78,11 @@ def prepare(cfg: Config) -> Prepared:
     _check_resume(cfg, resume_from)
     # the model's family from its model_index.json: a directory gerl cannot train fails here, before anything loads
     family = model_family(cfg.model.path)
+    if family is not None:  # an editing model's prompts each carry an image; a text-to-image model's none
+        from gerl.models.family import check_conditioning
+
+        check_conditioning(family, [p.metadata for p in train], cfg.data.train_prompts)
+        check_conditioning(family, [p.metadata for p in test], cfg.data.test_prompts)
     if cfg.model.compile and family is not None and family.compile_refusal:
         raise UserError(f"model.compile=true cannot keep {family.title}'s shapes fixed: {family.compile_refusal}; set "
                         "model.compile=false")
@@ -137,15 +142,13 @@ class MemoryPlanner:
 
         self.plan, self.error = None, None
         # diffusers and transformers import their classes lazily, and two threads resolving the same lazy name at
-        # once can fail: resolve here, on the main thread, every class the plan and the loader both touch.
-        import diffusers
-        import transformers
+        # once can fail: resolve here, on the main thread, every class the plan and the loader both touch — the run's
+        # family's, or every family's for a hub id not yet in the cache.
+        from gerl.models.family import families
 
-        for name in ("StableDiffusion3Pipeline", "SD3Transformer2DModel", "AutoencoderKL",
-                     "FlowMatchEulerDiscreteScheduler"):
-            getattr(diffusers, name)
-        for name in ("CLIPTextModelWithProjection", "T5EncoderModel", "CLIPTokenizer", "T5TokenizerFast", "AutoConfig"):
-            getattr(transformers, name)
+        family = model_family(cfg.model.path)
+        for f in [family] if family is not None else families().values():
+            f.resolve_lazy_classes()
         import peft  # noqa: F401
 
         import gerl.plan  # noqa: F401

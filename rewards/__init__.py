@@ -16,7 +16,7 @@ from rewards.registry import (
     reward_factory,
     validate_reward_inputs,
 )
-from rewards import delayed, jpeg, ocr, packaged, preference, vlm  # noqa: E402,F401  (registers the built-in rewards)
+from rewards import delayed, edit, jpeg, ocr, packaged, preference, vlm  # noqa: E402,F401  (registers the built-in rewards)
 
 __all__ = [
     "ENTRY_POINT_GROUP",

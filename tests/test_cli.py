@@ -335,3 +335,28 @@ def test_version_and_train_usage():
     missing, usage = r.stderr.split("(usage: ")
     assert "[key=value ...]" in usage  # overrides are shown as optional...
     assert "required: CONFIG.yaml" in missing and "key=value" not in missing  # ...and are not required
+
+
+def test_edit_prompt_files_are_checked_before_any_model_loads(capsys, tmp_path, monkeypatch):
+    """Wherever a prompt file goes (gerl sample/eval --prompts, data.train_prompts / data.test_prompts): a missing or
+    unreadable image is one line naming the file's line, exit 2; an editing model's prompt without an image, or a
+    text-to-image model's prompt with one, too — each before any model loads."""
+    from gerl.models import loader
+
+    monkeypatch.setattr(loader, "load_pipeline", lambda *a, **k: pytest.fail("the model started loading"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "image": "gone.png"}\n')
+    edit = str(REPO / "assets" / "edit" / "train.jsonl")
+    out = ["--out", str(tmp_path / "out")]
+    _fails(capsys, ["sample", "--model", "tiny-flux-kontext", "--prompts", str(bad), *out], "bad.jsonl:1: image gone.png")
+    _fails(capsys, ["eval", "--model", "tiny-qwenimage-edit", "--prompts", str(bad), "--reward", "ocr"],
+           "bad.jsonl:1: image gone.png")
+    _fails(capsys, ["sample", "--model", "tiny-flux-kontext", "--prompt", "a cat", *out],
+           "FLUX.1-Kontext edits an image, and prompt 1 has none")
+    _fails(capsys, ["sample", "--model", "tiny", "--prompts", edit, *out],
+           "prompt 1 has an \"image\", which SD3 / SD3.5 (text to image) does not take")
+    _fails(capsys, ["train", RECIPE, *FAST, f"output_dir={tmp_path / 'run'}", f"data.train_prompts={bad}"],
+           "bad.jsonl:1: image gone.png")
+    _fails(capsys, ["train", RECIPE, *FAST, f"output_dir={tmp_path / 'run'}", "model.path=tiny-qwenimage-edit"],
+           "Qwen-Image-Edit-Plus edits an image, and prompt 1 has none")
+    assert not (tmp_path / "run").exists() and not (tmp_path / "out").exists()

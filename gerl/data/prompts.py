@@ -4,7 +4,11 @@ Formats:
 - `.txt`: one prompt per line, blank lines skipped (the layout of Flow-GRPO's dataset/ocr/{train,test}.txt,
   where the text to render sits in "double quotes").
 - `.jsonl`: one JSON object per line with a `prompt` string; every other field becomes that prompt's metadata
-  (e.g. `target_text`, which the OCR reward prefers over the quoted text).
+  (e.g. `target_text`, which the OCR reward prefers over the quoted text). An `image` field is the prompt's
+  conditioning image for an image-editing model (FLUX.1-Kontext, Qwen-Image-Edit-Plus): a path relative to the
+  prompt file (or absolute), checked when the file is read — a missing or unreadable image is one error naming the
+  line — and kept in the metadata as the resolved absolute path. Rewards receive it there, and the opened image as
+  `source_image` (`with_source_images`). assets/edit/ holds an example.
 """
 
 from __future__ import annotations
@@ -27,6 +31,37 @@ class Prompt:
 
     text: str
     metadata: dict = field(default_factory=dict)
+
+
+def open_image(path: str | Path):
+    """A conditioning image as the pipelines take it: PIL, RGB, fully read (the file is closed)."""
+    from PIL import Image
+
+    with Image.open(path) as im:
+        return im.convert("RGB")
+
+
+def condition_images(metadata: list[dict]) -> list | None:
+    """Each sample's conditioning image path (its metadata's "image"), or None when no sample has one."""
+    paths = [m.get("image") if isinstance(m, dict) else None for m in metadata]
+    return None if all(p is None for p in paths) else paths
+
+
+def with_source_images(metadata: list[dict]) -> list[dict]:
+    """The metadata with each prompt's conditioning image opened as `source_image` (PIL, RGB) beside its `image`
+    path, for the rewards (an edit reward compares the edited image with it); entries without one are unchanged.
+    Each file is opened once per call."""
+    opened: dict[str, object] = {}
+    out = []
+    for m in metadata:
+        path = m.get("image") if isinstance(m, dict) else None
+        if path is None or "source_image" in m:
+            out.append(m)
+            continue
+        if path not in opened:
+            opened[path] = open_image(path)
+        out.append({**m, "source_image": opened[path]})
+    return out
 
 
 def load_prompts(path: str | Path) -> list[Prompt]:
@@ -69,7 +104,29 @@ def _parse_jsonl_line(line: str, path: Path, number: int) -> Prompt:
     text = record.pop("prompt", None)
     if not isinstance(text, str) or not text.strip():
         raise UserError(f"{path}:{number}: missing or empty \"prompt\" string field; give every line a \"prompt\"")
+    if "image" in record:
+        record["image"] = _image_path(record["image"], path, number)
     return Prompt(text.strip(), record)
+
+
+def _image_path(value, path: Path, number: int) -> str:
+    """The line's "image" resolved against the prompt file's folder, checked to open as an image."""
+    from PIL import Image, UnidentifiedImageError
+
+    if not isinstance(value, str) or not value.strip():
+        raise UserError(f'{path}:{number}: "image" must be a path string (relative to {path.parent} or absolute), '
+                        f"got {value!r}")
+    image = (path.parent / value).resolve()
+    if not image.is_file():
+        raise UserError(f"{path}:{number}: image {value} not found (looked for {image}; paths are relative to the "
+                        "prompt file)")
+    try:
+        with Image.open(image) as im:
+            im.verify()  # reads the whole file's structure without decoding it into memory
+    except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as e:
+        raise UserError(f"{path}:{number}: image {value} ({image}) is not a readable image "
+                        f"({str(e).splitlines()[0][:100] if str(e) else type(e).__name__}); use PNG or JPEG") from None
+    return str(image)
 
 
 class PromptSampler:

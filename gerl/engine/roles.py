@@ -18,6 +18,7 @@ from collections import deque
 import torch
 
 from gerl.checkpoint import load_checkpoint, load_inflight_weights, save_checkpoint
+from gerl.data.prompts import condition_images
 from gerl.config import Config, reward_components, trained_steps_per_sample, derived_sizes
 from gerl.models.loader import (
     DTYPES, ROLE_COMPONENTS, TextEmbedder, add_lora, load_lora_into_pipeline, load_pipeline, resolve_device,
@@ -79,8 +80,9 @@ def prepare_pipeline(pipe, cfg: Config, device=None):
                     p.data = p.data.float()
                     p.requires_grad_(True)
         else:
+            # every rank the same adapter, every run of a seed the same; the default targets the pipeline's family's
             add_lora(pipe.transformer, cfg.model.lora_rank, cfg.model.lora_alpha, cfg.model.lora_targets,
-                     cfg.model.lora_init, seed=cfg.seed)  # every rank the same adapter, every run of a seed the same
+                     cfg.model.lora_init, seed=cfg.seed, family=family_of(pipe))
     apply_levers(pipe, cfg)
     return pipe
 
@@ -123,7 +125,8 @@ class RolloutRole:
         self.cfg, self.rank = cfg, rank
         self.pipe = pipe if pipe is not None else build_pipeline(cfg, device, roles=("rollout",))
         apply_levers(self.pipe, cfg)  # a pipeline handed in (the local engine's, a test's) gets them too
-        self.embedder = TextEmbedder(self.pipe, cfg.model.max_sequence_length, cfg.model.text_cache_size)
+        self.embedder = TextEmbedder(self.pipe, cfg.model.max_sequence_length, cfg.model.text_cache_size,
+                                     cfg.model.condition_resolution)
         # nft/awm/dgpo learn from clean samples alone: the rollout samples a plain ODE and records no SDE step
         self.worker = RolloutWorker(self.pipe, self.embedder, cfg.sampling, cfg.model.resolution, cfg.seed,
                                     record_sde=cfg.algo.name == "flow_grpo",
@@ -188,7 +191,7 @@ class RolloutRole:
         cfg = self.cfg
         with compute_context(cfg):
             images = self.worker.sample_images(prompts, cfg.validation.seed, cfg.sampling.eval_num_steps,
-                                               cfg.sampling.eval_guidance_scale)
+                                               cfg.sampling.eval_guidance_scale, images=condition_images(metadata))
         return images, self.rewards.score_now(images, prompts, metadata, cfg.sampling.micro_batch_size)
 
     @torch.no_grad()

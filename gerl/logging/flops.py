@@ -112,6 +112,9 @@ def family_of_config(config: Mapping) -> str:
                         ("qwenimage", "QwenImageTransformer2DModel")):
         if name == cls:
             return family
+    if name:  # another class (FLUX.2-klein's, Z-Image's) that a key below would mistake for one of these
+        raise ValueError(f"no FLOPs model for a transformer config of class {name}; gerl counts SD3, FLUX.1 and "
+                         "Qwen-Image")
     if "caption_projection_dim" in config:
         return "sd3"
     if "num_single_layers" in config:

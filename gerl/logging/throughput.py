@@ -247,12 +247,18 @@ def vae_scale_factor(vae_config) -> int:
 def model_configs(model_path: str, pipe=None) -> ModelConfigs | None:
     """The FLOPs model's configs from a loaded pipeline, else from model_path's transformer/ and vae/ config.json (a
     local directory or the local Hugging Face cache; nothing is downloaded). None when neither is available (e.g.
-    model.path=tiny without a pipeline) or the transformer is of a family gerl does not count."""
+    model.path=tiny without a pipeline), the transformer is of a family gerl does not count, or the model edits images
+    (its reference tokens are not counted yet)."""
     from gerl.logging.flops import family_of_config
 
+    if _conditioned(model_path, pipe):  # the reference image's tokens are not in the FLOPs model yet: no mfu
+        return None
     if pipe is not None and getattr(pipe, "vae", None) is not None:
         t = dict(pipe.transformer.config, _class_name=type(pipe.transformer).__name__)
-        return ModelConfigs(t, pipe.vae, vae_scale_factor(pipe.vae.config), family_of_config(t))
+        try:
+            return ModelConfigs(t, pipe.vae, vae_scale_factor(pipe.vae.config), family_of_config(t))
+        except ValueError:  # a family the FLOPs model does not count (FLUX.2-klein, Z-Image): no mfu
+            return None
     if model_path in TINY_MODELS:  # built in code, no configs on disk (and no ~4 s diffusers import to find that out)
         return None
     local = Path(model_path)
@@ -270,6 +276,19 @@ def model_configs(model_path: str, pipe=None) -> ModelConfigs | None:
         return ModelConfigs(t, v, vae_scale_factor(v), family_of_config(t))
     except (ValueError, KeyError, TypeError):
         return None
+
+
+def _conditioned(model_path: str, pipe) -> bool:
+    """Whether the model edits images (FLUX.1-Kontext, Qwen-Image-Edit-Plus): its transformer also reads the
+    reference image's tokens, which the FLOPs model does not count."""
+    from gerl.models.family import family_of
+    from gerl.models.loader import model_family
+
+    try:
+        family = family_of(pipe) if pipe is not None else model_family(model_path)
+    except Exception:  # noqa: BLE001 — not a family gerl knows: the FLOPs model decides what it counts
+        return False
+    return bool(family is not None and family.conditioned)
 
 
 def model_config_for(model_path: str, pipe=None) -> tuple[dict, int] | None:

@@ -30,9 +30,13 @@ CONFIGS = Path(__file__).resolve().parents[2] / "assets" / "configs"
 # Hub ids whose configs ship here, to the folder that holds them (a folder name works as well).
 HUB_IDS = {
     "stabilityai/stable-diffusion-3.5-medium": "sd3.5-medium",
+    "stabilityai/stable-diffusion-3.5-large": "sd3.5-large",
     "black-forest-labs/FLUX.1-dev": "flux.1-dev",
     "black-forest-labs/FLUX.1-schnell": "flux.1-schnell",
     "Qwen/Qwen-Image": "qwen-image",
+    "black-forest-labs/FLUX.1-Kontext-dev": "flux.1-kontext-dev",
+    "Qwen/Qwen-Image-Edit-2509": "qwen-image-edit-2509",
+    "Tongyi-MAI/Z-Image-Turbo": "z-image-turbo",
 }
 FIRST = ("transformer", "vae")  # listed first by `components`; the text encoders follow by name
 

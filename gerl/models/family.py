@@ -1,9 +1,11 @@
-"""Model families: what differs between SD3/SD3.5, FLUX.1 and Qwen-Image lives behind one small interface.
+"""Model families: what differs between SD3/SD3.5, FLUX.1, Qwen-Image, the image-editing FLUX.1-Kontext and
+Qwen-Image-Edit-Plus, FLUX.2-klein and Z-Image lives behind one small interface.
 
 Everything above the velocity call is architecture-free (the SDE/CPS step and its log-prob, Flow-GRPO / Fast / NFT /
 AWM, the engine and its schedules, rewards, checkpoints). A family answers the few questions that are not: how its
 pipeline is loaded, how prompts become embeddings, the latent layout, the velocity call, the σ schedule, decoding,
-and the default LoRA targets. One file per family (gerl/models/sd3.py, flux.py, qwenimage.py) subclasses `Family`;
+and the default LoRA targets. One file per family (gerl/models/sd3.py, flux.py, qwenimage.py, flux_kontext.py,
+qwenimage_edit.py, flux2.py, zimage.py) subclasses `Family`;
 the trainer, the algorithms and the workers never ask which family they hold — a worker looks its family up once
 (`family_of(pipe)`) and calls its methods, and `gerl.sampling.loop.predict_velocity` dispatches on the transformer.
 
@@ -24,8 +26,12 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gerl.errors import UserError
+
+if TYPE_CHECKING:  # this module imports nothing heavy at run time
+    import torch
 
 # Offline tiny models by name (model.path=NAME): family name and the variant its builder takes.
 TINY_MODELS = {
@@ -33,8 +39,14 @@ TINY_MODELS = {
     "tiny-flux": ("flux", "dev"),  # gerl.models.tiny.build_tiny_flux: guidance embedding, dynamic shift
     "tiny-flux-schnell": ("flux", "schnell"),  # no guidance embedding, no shift (as FLUX.1-schnell's configs)
     "tiny-qwenimage": ("qwenimage", ""),  # gerl.models.tiny_qwenimage.build_tiny_qwenimage: Qwen-Image's scheduler
+    "tiny-flux-kontext": ("flux_kontext", ""),  # gerl.models.tiny.build_tiny_flux_kontext: tiny-flux's parts, editing
+    "tiny-qwenimage-edit": ("qwenimage_edit", ""),  # gerl.models.tiny_qwenimage.build_tiny_qwenimage_edit_plus
+    "tiny-flux2-klein": ("flux2", ""),  # gerl.models.tiny_qwen3.build_tiny_flux2_klein: the base (CFG) model's layout
+    "tiny-zimage": ("zimage", ""),  # gerl.models.tiny_qwen3.build_tiny_zimage: Z-Image-Turbo's scheduler
 }
-_MODULES = ("gerl.models.sd3", "gerl.models.flux", "gerl.models.qwenimage")  # each registers its family on import
+# each registers its family on import; a family sharing its transformer class with another comes after it
+_MODULES = ("gerl.models.sd3", "gerl.models.flux", "gerl.models.qwenimage", "gerl.models.flux_kontext",
+            "gerl.models.qwenimage_edit", "gerl.models.flux2", "gerl.models.zimage")
 _REGISTRY: dict[str, "Family"] = {}
 
 
@@ -54,6 +66,13 @@ class Family:
             replicates one by one (gerl/engine/parallel.py).
         compile_refusal: why model.compile cannot keep this family's shapes fixed ("" = it can).
         attention_mask: whether the transformer passes an attention mask to its attention (a backend must take one).
+        conditioned: whether each prompt comes with a conditioning image (image editing: FLUX.1-Kontext,
+            Qwen-Image-Edit-Plus). Such a family subclasses the text-to-image family whose transformer it shares, whose
+            `velocity` appends the conditioning tokens (`Embeds.cond`) when they are there.
+        unloaded: pipeline parts gerl never loads (passed as None to `from_pretrained`): Qwen-Image-Edit-Plus's
+            processor, which transformers cannot build without torchvision and the family does not need.
+        extra_classes: (library, class) pairs a published model_index.json names that the pipeline's signature does
+            not (T5TokenizerFast where the signature says T5Tokenizer): resolved by `resolve_lazy_classes` too.
     """
 
     name: str = ""
@@ -67,6 +86,9 @@ class Family:
     block_lists: tuple[str, ...] = ("transformer_blocks",)
     compile_refusal: str = ""
     attention_mask: bool = False
+    extra_classes: tuple[tuple[str, str], ...] = ()
+    conditioned: bool = False
+    unloaded: tuple[str, ...] = ()
 
     def pipeline_cls(self):
         """The diffusers pipeline class (from_pretrained, save_lora_weights)."""
@@ -74,15 +96,54 @@ class Family:
 
         return getattr(diffusers, self.pipeline_classes[0])
 
+    def lazy_classes(self) -> set[tuple[str, str]]:
+        """Every (library, class name) that loading this family's pipeline or planning it reaches through diffusers'
+        and transformers' lazy top-level modules: the pipeline classes, the classes their constructors name for
+        each component (the ones a model_index.json lists), and `extra_classes`."""
+        import inspect
+        import typing
+
+        def named(annotation) -> list[tuple[str, str]]:
+            if typing.get_args(annotation):  # X | None, Union[...]
+                return [n for a in typing.get_args(annotation) for n in named(a)]
+            lib = str(getattr(annotation, "__module__", "")).split(".")[0]
+            return [(lib, annotation.__name__)] if lib in ("diffusers", "transformers") else []
+
+        names = {("diffusers", c) for c in self.pipeline_classes} | {("diffusers", self.transformer_class)}
+        names |= set(self.extra_classes) | {("transformers", "AutoConfig")}
+        import diffusers
+
+        for c in self.pipeline_classes:
+            for p in inspect.signature(getattr(diffusers, c).__init__).parameters.values():
+                names.update(named(p.annotation))
+        return names
+
+    def resolve_lazy_classes(self) -> None:
+        """Resolve `lazy_classes` on the calling thread. diffusers and transformers import their classes lazily, and
+        two threads resolving the same lazy name at once can fail (gerl.trainer.MemoryPlanner plans on a thread while
+        the main thread loads): resolved once here, each name is a plain module attribute after."""
+        import importlib
+
+        for lib, name in sorted(self.lazy_classes()):
+            getattr(importlib.import_module(lib), name, None)  # a name the library does not export is never looked up
+
     def build_tiny(self, seed: int, variant: str):
         """The offline tiny pipeline of this family (fp32, CPU, random weights from `seed`)."""
         raise NotImplementedError
 
-    def encode_prompts(self, pipe, prompts: list[str], max_sequence_length: int):
+    def encode_prompts(self, pipe, prompts: list[str], max_sequence_length: int, images=None,
+                       condition_resolution: int = 0):
         """Prompts → `Embeds` (batch B = len(prompts), no negatives), on the text encoders' device, no grad.
         The text cache (gerl.models.loader.TextEmbedder) stores each prompt's row: a family whose prompts have
-        different lengths sets `Embeds.mask` (B, L) and the cache pads rows to the longest."""
+        different lengths sets `Embeds.mask` (B, L) and the cache pads rows to the longest.
+        An image-conditioned family also takes `images` (B PIL images, RGB) and sets `Embeds.cond` / `cond_hw`: the
+        images' VAE latents packed into tokens, each image sized as its stock pipeline sizes it
+        (`condition_resolution` = model.condition_resolution; 0 = the stock pipeline's own size)."""
         raise NotImplementedError
+
+    def condition_tokens(self, h: int, w: int) -> int:
+        """The tokens of a conditioning latent grid (h, w): (h/2)·(w/2) for the families that pack 2×2 patches."""
+        return (h // 2) * (w // 2)
 
     def uses_negative(self, guidance: float) -> bool:
         """Whether `velocity` at this guidance reads the negative embeddings (a second, unconditional pass)."""
@@ -144,14 +205,51 @@ def supported() -> str:
 
 
 def family_of(obj) -> Family:
-    """The family of a pipeline (or anything with a `.transformer`) or of a transformer itself, by the transformer's
-    class: a LoRA attached through diffusers' peft integration or a deep copy keeps it."""
+    """The family of a pipeline (or anything with a `.transformer`) or of a transformer itself. A pipeline's own class
+    decides first (FluxKontextPipeline and FluxPipeline share FluxTransformer2DModel); otherwise the transformer's
+    class, where a LoRA attached through diffusers' peft integration or a deep copy keeps it, gives the first family
+    registered for it — the text-to-image one, whose `velocity` serves its image-conditioned subclass too."""
     tr = getattr(obj, "transformer", obj)
+    if tr is not obj:
+        for f in families().values():
+            if type(obj).__name__ in f.pipeline_classes:
+                return f
     names = {c.__name__ for c in type(tr).__mro__}
     for f in families().values():
         if f.transformer_class in names:
             return f
     raise ValueError(f"{type(tr).__name__} belongs to no model family gerl knows; supported: {supported()}")
+
+
+def check_conditioning(family: Family, metadata: list[dict], where: str) -> None:
+    """Prompts whose metadata carries an "image" (a conditioning image) against the family: an image-editing family
+    needs one for every prompt, a text-to-image family takes none. A UserError names the first prompt that does not
+    fit, before anything loads."""
+    has = [isinstance(m, dict) and m.get("image") is not None for m in metadata]
+    if family.conditioned and not all(has):
+        raise UserError(f"{where}: {family.title} edits an image, and prompt {has.index(False) + 1} has none; give "
+                        'every prompt one (.jsonl lines {"prompt": ..., "image": PATH}, PATH relative to the file)')
+    if not family.conditioned and any(has):
+        editing = ", ".join(f.title for f in families().values() if f.conditioned)
+        raise UserError(f"{where}: prompt {has.index(True) + 1} has an \"image\", which {family.title} (text to "
+                        f"image) does not take; use an image-editing model ({editing}) or drop the images")
+
+
+def condition_groups(embeds) -> list[tuple[torch.Tensor | None, tuple[int, int] | None]]:
+    """The rows of a batch that share one conditioning grid, for a transformer that takes one image layout per call:
+    [(row indices (n,) long, (h, w))], or [(None, None)] when the batch has no conditioning image or one grid only
+    (the whole batch in one call)."""
+    if embeds.cond_hw is None:
+        return [(None, None)]
+    grids = [tuple(hw) for hw in embeds.cond_hw.tolist()]
+    if len(set(grids)) == 1:
+        return [(None, grids[0])]
+    import torch
+
+    out = []
+    for g in dict.fromkeys(grids):
+        out.append((torch.tensor([i for i, x in enumerate(grids) if x == g], dtype=torch.long), g))
+    return out
 
 
 def by_pipeline_class(class_name: str, where: str) -> Family:
@@ -202,6 +300,18 @@ def resolution_shift(image_seq_len: int, config, default_max_shift: float) -> fl
 HUB_ID = re.compile(r"[\w.\-]+/[\w.\-]+")
 
 
+def shipped_family(hub_id: str) -> Family | None:
+    """The family of a hub id whose published configs ship under assets/configs with their model_index.json
+    (gerl.models.arch.HUB_IDS), read offline; None for any other."""
+    folder = Path(__file__).resolve().parents[2] / "assets" / "configs"
+    import gerl.models.arch as shipped  # lazily: it imports torch
+
+    index = folder / shipped.HUB_IDS.get(hub_id, "-") / "model_index.json"
+    if not index.is_file():
+        return None
+    return by_pipeline_class(pipeline_class_in(index.parent, f"model.path {hub_id}"), f"model.path {hub_id}")
+
+
 def family_for_path(path: str, local_files_only: bool = True) -> Family | None:
     """The family of model.path, before anything loads: a tiny model's, a directory's by its model_index.json, a hub
     id's from its model_index.json in the local HF cache (or downloaded when `local_files_only` is False).
@@ -224,7 +334,7 @@ def family_for_path(path: str, local_files_only: bool = True) -> Family | None:
         index = hf_hub_download(path, "model_index.json", local_files_only=local_files_only)
     except Exception as e:  # noqa: BLE001 — not cached, gated, offline: the caller decides what that means
         if local_files_only:
-            return None
+            return shipped_family(path)
         raise UserError(f"cannot load {path} from the hub or the local HF cache ({type(e).__name__}: "
                         f"{str(e).splitlines()[0][:160] if str(e) else ''}); run `hf download {path}` where there "
                         "is network, or pass a local directory") from None

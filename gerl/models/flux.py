@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gerl.models.family import Family, compute_dtype, register, resolution_shift
+from gerl.models.family import Family, compute_dtype, condition_groups, register, resolution_shift
 from gerl.sampling.loop import Embeds, Schedule
 
 
@@ -57,6 +57,7 @@ class Flux(Family):
     components = ("transformer", "vae", "text_encoder", "text_encoder_2")
     tokenizers = {"text_encoder": "tokenizer", "text_encoder_2": "tokenizer_2"}
     negative_prompt = ""  # unused: FLUX.1 has no classifier-free guidance pass (uses_negative is always false)
+    extra_classes = (("transformers", "T5TokenizerFast"),)  # the published model_index.json's T5 tokenizer
     # flow_grpo's scripts/train_flux.py target_modules: the double-stream blocks' attention projections and both
     # feed-forwards (the single-stream blocks' to_q/k/v match "attn.to_q" etc. too; their proj_mlp/proj_out do not).
     lora_targets = ("attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0", "attn.add_k_proj", "attn.add_q_proj",
@@ -96,23 +97,41 @@ class Flux(Family):
 
     def velocity(self, transformer, x: torch.Tensor, timestep: torch.Tensor, embeds: Embeds,
                  guidance: float) -> torch.Tensor:
-        """One forward on the packed latents; dev reads `guidance` through its embedding, schnell ignores it."""
+        """One forward on the packed latents; dev reads `guidance` through its embedding, schnell ignores it. With a
+        conditioning image (FLUX.1-Kontext, `embeds.cond`) its tokens follow the image's, with position ids
+        (1, row, column), and the output keeps the image's tokens — FluxKontextPipeline's call, one per grid."""
+        groups = condition_groups(embeds)
+        if len(groups) == 1:
+            return self._velocity(transformer, x, timestep, embeds, guidance, groups[0][1])
+        out = torch.empty_like(x)
+        for rows, grid in groups:
+            out[rows] = self._velocity(transformer, x[rows], timestep[rows], embeds.index(rows), guidance, grid)
+        return out
+
+    def _velocity(self, transformer, x, timestep, embeds: Embeds, guidance: float, grid) -> torch.Tensor:
         dtype = compute_dtype(transformer)
         B, _, h, w = x.shape
         g = None
         if transformer.config.guidance_embeds:
             g = torch.full((B,), float(guidance), device=x.device, dtype=torch.float32)
+        tokens, ids = pack(x).to(dtype), image_ids(h, w, x.device, dtype)
+        if embeds.cond is not None:  # the reference image's tokens, its ids' first axis 1 (FluxKontextPipeline)
+            hc, wc = grid
+            ref_ids = image_ids(hc, wc, x.device, dtype)
+            ref_ids[:, 0] = 1
+            tokens = torch.cat([tokens, embeds.cond[:, :(hc // 2) * (wc // 2)].to(dtype)], dim=1)
+            ids = torch.cat([ids, ref_ids])
         out = transformer(
-            hidden_states=pack(x).to(dtype),
+            hidden_states=tokens,
             timestep=timestep.to(dtype) / 1000,  # σ, rounded to the model dtype first as the stock pipeline does
             guidance=g,
             pooled_projections=embeds.pooled.to(dtype),
             encoder_hidden_states=embeds.prompt.to(dtype),
             txt_ids=torch.zeros(embeds.prompt.shape[1], 3, device=x.device, dtype=dtype),
-            img_ids=image_ids(h, w, x.device, dtype),
+            img_ids=ids,
             return_dict=False,
         )[0]
-        return unpack(out.float(), h, w)
+        return unpack(out[:, :(h // 2) * (w // 2)].float(), h, w)
 
     # Copied from gerl.models.sd3.SD3.decode: FLUX.1's VAE takes the same scaling and shift
     def decode(self, vae, latents: torch.Tensor) -> torch.Tensor:

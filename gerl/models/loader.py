@@ -94,6 +94,7 @@ def load_pipeline(path: str, dtype: str = "fp32", device: str = "auto", tiny_see
     vae_dt = vae_dtype_for(vae_dtype, target)
     skipped = {name: None for name in family.components if name not in components}
     skipped.update({family.tokenizers[name]: None for name in skipped if name in family.tokenizers})
+    skipped.update(dict.fromkeys(family.unloaded))
     if path in TINY_MODELS:
         pipe = family.build_tiny(tiny_seed, TINY_MODELS[path][1])
         for name in skipped:
@@ -120,10 +121,12 @@ def load_pipeline(path: str, dtype: str = "fp32", device: str = "auto", tiny_see
     return pipe
 
 
-def add_lora(transformer, rank: int, alpha: float, targets: list[str], init: str = "default", seed: int = 0):
+def add_lora(transformer, rank: int, alpha: float, targets: list[str], init: str = "default", seed: int = 0,
+             family=None):
     """Attach a fresh LoRA (B = 0, so the policy starts equal to the base model) and keep its weights in fp32.
     targets: module names (peft matches the end of a dotted name); empty = the model family's default
-    (Family.lora_targets). init: A's initialisation, peft's default (Kaiming-uniform) or "gaussian".
+    (Family.lora_targets; `family` when given, else the transformer's: FLUX.1-Kontext's pipeline knows its family,
+    its transformer alone is FLUX.1's class). init: A's initialisation, peft's default (Kaiming-uniform) or "gaussian".
 
     seed: A is drawn from torch's CPU generator seeded with it (peft initialises on the CPU before moving the adapter
     to the base layer's device), and the caller's generator state is left as it was. peft itself draws from the
@@ -134,7 +137,7 @@ def add_lora(transformer, rank: int, alpha: float, targets: list[str], init: str
 
     from gerl.models.family import family_of
 
-    targets = list(targets) or list(family_of(transformer).lora_targets)
+    targets = list(targets) or list((family or family_of(transformer)).lora_targets)
     names = [name for name, _ in transformer.named_modules()]
     # peft matches a target against the end of a module's dotted name; check the same way to fail early.
     missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
@@ -230,47 +233,84 @@ def read_lora_metadata(path: str | Path) -> dict:
 
 
 class TextEmbedder:
-    """Prompt → text embeddings (the model family's `encode_prompts`), with an LRU cache so the text encoders run
-    once per distinct prompt."""
+    """Prompt (and, for an image-conditioned family, its conditioning image) → conditioning embeddings (the model
+    family's `encode_prompts`), with an LRU cache keyed on (prompt, image path) so that the text encoders — and the
+    VAE encode of a conditioning image — run once per distinct pair.
 
-    def __init__(self, pipe, max_sequence_length: int, cache_size: int = 4096):
+    condition_resolution: model.condition_resolution, handed to an image-conditioned family (0 = its stock
+    pipeline's own conditioning size)."""
+
+    def __init__(self, pipe, max_sequence_length: int, cache_size: int = 4096, condition_resolution: int = 0):
         from gerl.models.family import family_of
 
         self.pipe, self.family = pipe, family_of(pipe)
         self.max_sequence_length = max_sequence_length
+        self.condition_resolution = condition_resolution
         self.cache_size = cache_size
-        self._cache: OrderedDict[str, Embeds] = OrderedDict()  # prompt → its row (batch of 1), on the CPU
+        # (prompt, image path or None) → its row (batch of 1), on the CPU
+        self._cache: OrderedDict[tuple[str, str | None], Embeds] = OrderedDict()
         self.hits = self.misses = 0
 
     @torch.no_grad()
-    def _encode(self, prompts: list[str]) -> list[Embeds]:
-        e = self.family.encode_prompts(self.pipe, prompts, self.max_sequence_length)
+    def _encode(self, keys: list[tuple[str, str | None]]) -> list[Embeds]:
+        prompts = [p for p, _ in keys]
+        if self.family.conditioned:
+            from gerl.data.prompts import open_image
+
+            e = self.family.encode_prompts(self.pipe, prompts, self.max_sequence_length,
+                                           images=[open_image(path) for _, path in keys],
+                                           condition_resolution=self.condition_resolution)
+        else:
+            e = self.family.encode_prompts(self.pipe, prompts, self.max_sequence_length)
         # Kept in host memory: one SD3.5 prompt is 333 × 4096 values, so thousands of them do not belong on a GPU.
-        # A masked row (a family whose prompts have their own lengths) keeps only its real tokens.
+        # A masked row (a family whose prompts have their own lengths) keeps only its real tokens, and a row's
+        # conditioning image its own tokens.
         rows = []
         for i in range(len(prompts)):
             row = e.index(slice(i, i + 1)).to("cpu")
             if row.mask is not None:
                 n = int(row.mask.sum())
-                row = Embeds(row.prompt[:, :n], row.pooled, mask=row.mask[:, :n])
+                row = Embeds(row.prompt[:, :n], row.pooled, mask=row.mask[:, :n], cond=row.cond, cond_hw=row.cond_hw)
+            if row.cond is not None:
+                row.cond = row.cond[:, :self.family.condition_tokens(*row.cond_hw[0].tolist())]
             rows.append(row)
         return rows
 
-    def _lookup(self, prompts: list[str]) -> Embeds:
-        missing = list(dict.fromkeys(p for p in prompts if p not in self._cache))
+    def _lookup(self, keys: list[tuple[str, str | None]]) -> Embeds:
+        missing = list(dict.fromkeys(k for k in keys if k not in self._cache))
         self.misses += len(missing)
-        self.hits += len(prompts) - len(missing)
-        for p, e in zip(missing, self._encode(missing) if missing else []):
-            self._cache[p] = e
-        for p in prompts:
-            self._cache.move_to_end(p)
-        while len(self._cache) > max(self.cache_size, len(set(prompts))):
+        self.hits += len(keys) - len(missing)
+        for k, e in zip(missing, self._encode(missing) if missing else []):
+            self._cache[k] = e
+        for k in keys:
+            self._cache.move_to_end(k)
+        while len(self._cache) > max(self.cache_size, len(set(keys))):
             self._cache.popitem(last=False)
-        return Embeds.cat([self._cache[p] for p in prompts]).to(self.pipe.transformer.device)
+        return Embeds.cat([self._cache[k] for k in keys]).to(self.pipe.transformer.device)
 
-    def __call__(self, prompts: list[str], with_negative: bool = False) -> Embeds:
-        """Embeddings of `prompts`; with_negative adds the family's negative prompt's as the unconditional branch."""
-        embeds = self._lookup(prompts)
+    def __call__(self, prompts: list[str], with_negative: bool = False, images: list | None = None) -> Embeds:
+        """Embeddings of `prompts`; with_negative adds the family's negative prompt's as the unconditional branch.
+
+        images: one conditioning image path per prompt (the prompt file's "image", resolved), for an
+        image-conditioned family — which needs one for every prompt — and None for any other family. The negative
+        branch is encoded with the same image (the stock edit pipelines encode the negative prompt with it)."""
+        from gerl.errors import UserError
+
+        if self.family.conditioned and (images is None or any(i is None for i in images)):
+            raise UserError(f"{self.family.title} edits an image: every prompt needs one (a .jsonl prompt file with "
+                            '{"prompt": ..., "image": PATH} lines)')
+        if not self.family.conditioned and images is not None and any(i is not None for i in images):
+            raise UserError(f"{self.family.title} is a text-to-image family: its prompts take no \"image\"; use an "
+                            f"image-editing model ({conditioned_titles()}) or drop the images from the prompt file")
+        paths = [None] * len(prompts) if images is None else [None if i is None else str(i) for i in images]
+        embeds = self._lookup(list(zip(prompts, paths)))
         if not with_negative:
             return embeds
-        return embeds.with_negative(self._lookup([self.family.negative_prompt] * len(prompts)))
+        return embeds.with_negative(self._lookup([(self.family.negative_prompt, p) for p in paths]))
+
+
+def conditioned_titles() -> str:
+    """The image-conditioned families, for messages."""
+    from gerl.models.family import families
+
+    return ", ".join(f.title for f in families().values() if f.conditioned) or "none registered"

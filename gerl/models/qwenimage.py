@@ -27,7 +27,7 @@ import torch
 
 from gerl.errors import UserError
 from gerl.models import qwenimage_math as qm
-from gerl.models.family import Family, compute_dtype, register
+from gerl.models.family import Family, compute_dtype, condition_groups, register
 from gerl.sampling.loop import Embeds, Schedule
 
 
@@ -86,25 +86,43 @@ class QwenImage(Family):
                             f"{scheduler_config.get('shift_terminal')} and needs at least 2 steps (the stock "
                             "pipeline gives σ = NaN with one); use 2 or more")
         sigmas = qm.sigma_schedule(num_steps, (latent_shape[-2] // 2) * (latent_shape[-1] // 2), scheduler_config)
-        return Schedule(sigmas, sigmas[:-1] * qm.NUM_TRAIN_TIMESTEPS)  # the stock timesteps, bit for bit
+        # the stock σ and timesteps, bit for bit (torch.equal in tests/models/test_qwenimage.py and test_qwenimage_math.py)
+        return Schedule(sigmas, sigmas[:-1] * qm.NUM_TRAIN_TIMESTEPS)
 
     def velocity(self, transformer, x: torch.Tensor, timestep: torch.Tensor, embeds: Embeds,
                  guidance: float) -> torch.Tensor:
         """The conditional pass, and with true CFG the negative one, each with its own text length as the stock
-        pipeline runs them; CFG and its per-token norm rescale on the packed tokens, in fp32."""
+        pipeline runs them; CFG and its per-token norm rescale on the packed tokens, in fp32. With a conditioning
+        image (Qwen-Image-Edit-Plus, `embeds.cond`) its tokens follow the image's in both passes, `img_shapes`
+        lists both grids, and the outputs keep the image's tokens — QwenImageEditPlusPipeline's call, one per grid."""
         if transformer.config.guidance_embeds:
             raise UserError("this Qwen-Image transformer has guidance_embeds=true (a guidance-distilled variant), "
                             "which gerl's Qwen-Image family does not drive; use Qwen-Image's published transformer")
+        groups = condition_groups(embeds)
+        if len(groups) == 1:
+            return self._velocity(transformer, x, timestep, embeds, guidance, groups[0][1])
+        out = torch.empty_like(x)
+        for rows, grid in groups:
+            out[rows] = self._velocity(transformer, x[rows], timestep[rows], embeds.index(rows), guidance, grid)
+        return out
+
+    def _velocity(self, transformer, x, timestep, embeds: Embeds, guidance: float, grid) -> torch.Tensor:
         dtype = compute_dtype(transformer)
         B, _, h, w = x.shape
         tokens = qm.pack_latents(x).to(dtype)
+        n = tokens.shape[1]
         t = timestep.to(dtype) / qm.NUM_TRAIN_TIMESTEPS  # σ, rounded to the model dtype first as the stock call does
         shapes = qm.img_shapes(B, h, w, vae_scale_factor=1)  # [(1, h/2, w/2)] per sample: the RoPE's grid
+        if embeds.cond is not None:  # the reference image's tokens after the image's, its grid after the image's
+            hc, wc = grid
+            tokens = torch.cat([tokens, embeds.cond[:, :(hc // 2) * (wc // 2)].to(dtype)], dim=1)
+            shapes = [[(1, h // 2, w // 2), (1, hc // 2, wc // 2)]] * B
 
         def call(prompt, mask):
             text, text_mask = _text(prompt, mask, dtype)
             return transformer(hidden_states=tokens, timestep=t, encoder_hidden_states=text,
-                               encoder_hidden_states_mask=text_mask, img_shapes=shapes, return_dict=False)[0].float()
+                               encoder_hidden_states_mask=text_mask, img_shapes=shapes,
+                               return_dict=False)[0][:, :n].float()
 
         v = call(embeds.prompt, embeds.mask)
         if self.uses_negative(guidance):

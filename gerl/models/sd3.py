@@ -27,6 +27,7 @@ class SD3(Family):
     negative_prompt = ""  # StableDiffusion3Pipeline's negative_prompt=None is encoded as ""
     # Every attention projection of both streams, matched by suffix (so SD3.5-M's attn2 too). The SD3 recipes name
     # the peers' narrower choice explicitly: attn.* only (flow_grpo scripts/train_sd3.py, GeRL select_lora_modules).
+    extra_classes = (("transformers", "T5TokenizerFast"),)  # the published model_index.json's T5 tokenizer
     lora_targets = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
 
     def build_tiny(self, seed: int, variant: str):

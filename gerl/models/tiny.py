@@ -224,3 +224,24 @@ def build_tiny_flux(seed: int = 0, schnell: bool = False):
 def save_tiny_flux(path, seed: int = 0, schnell: bool = False) -> None:
     """Write the tiny FLUX.1 to `path` as a diffusers directory (safetensors)."""
     build_tiny_flux(seed, schnell).save_pretrained(str(path), safe_serialization=True)
+
+
+def build_tiny_flux_kontext(seed: int = 0):
+    """The tiny FLUX.1-Kontext (fp32, CPU): the tiny FLUX.1-dev's components (FLUX.1-Kontext-dev is FLUX.1-dev's
+    architecture, guidance embedding and scheduler) in a FluxKontextPipeline, deterministic for a given seed.
+
+    Returns:
+        diffusers.FluxKontextPipeline
+    """
+    from diffusers import FluxKontextPipeline
+
+    parts = build_tiny_flux(seed).components
+    parts.update(image_encoder=None, feature_extractor=None)
+    return FluxKontextPipeline(**{k: parts[k] for k in ("transformer", "scheduler", "vae", "text_encoder",
+                                                         "tokenizer", "text_encoder_2", "tokenizer_2",
+                                                         "image_encoder", "feature_extractor")})
+
+
+def save_tiny_flux_kontext(path, seed: int = 0) -> None:
+    """Write the tiny FLUX.1-Kontext to `path` as a diffusers directory (safetensors)."""
+    build_tiny_flux_kontext(seed).save_pretrained(str(path), safe_serialization=True)

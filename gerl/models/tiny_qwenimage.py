@@ -71,9 +71,10 @@ ENDOFTEXT = "<|endoftext|>"  # Qwen's bos / pad / unk token
 VOCAB_SIZE = 512  # BPE target size before the special tokens; the corpus below fills ~400 of it
 
 
-def _corpus() -> list[str]:
+def _corpus(edit: bool = False) -> list[str]:
     """What the BPE learns from: the template (weighted so that each of its words becomes one token, as in Qwen's
-    real vocabulary) and a few prompts in the styles gerl's data uses."""
+    real vocabulary) and a few prompts in the styles gerl's data uses; with `edit`, Qwen-Image-Edit-Plus's template
+    and its image placeholder too."""
     prompts = [
         'A sign that says "OPEN" hanging on a wooden door',
         "a photo of a cat holding a sign that reads hello world",
@@ -82,11 +83,19 @@ def _corpus() -> list[str]:
         "two dogs playing in the snow, bad quality, blurry, low resolution",
         "a poster with the words STOP and GO, numbers 0 1 2 3 4 5 6 7 8 9",
     ]
-    return [PROMPT_TEMPLATE.format(p) for p in prompts] * 20 + prompts
+    corpus = [PROMPT_TEMPLATE.format(p) for p in prompts] * 20 + prompts
+    if edit:
+        from gerl.models.qwenimage_edit import EDIT_TEMPLATE, IMAGE_PROMPT
+
+        edits = ['make the sign say "OPEN"', "change the red apple to a green pear", "write 42 on the poster"]
+        corpus += [EDIT_TEMPLATE.format(IMAGE_PROMPT.format(1) + p) for p in edits] * 20
+    return corpus
 
 
-def build_qwen_tokenizer():
-    """A byte-level BPE `Qwen2Tokenizer` trained in code (deterministic), with Qwen's special tokens."""
+def build_qwen_tokenizer(edit: bool = False):
+    """A byte-level BPE `Qwen2Tokenizer` trained in code (deterministic), with Qwen's special tokens. With `edit`
+    it also learns Qwen-Image-Edit-Plus's template, whose system turn is then exactly `EDIT_DROP_IDX` = 64 tokens as
+    with the real tokenizer (and the text-to-image template's still 34)."""
     from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
     from transformers import Qwen2Tokenizer
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
@@ -98,9 +107,9 @@ def build_qwen_tokenizer():
         pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=[ENDOFTEXT], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    bpe.train_from_iterator(_corpus(), trainer=trainer)
+    trainer = trainers.BpeTrainer(vocab_size=2 * VOCAB_SIZE if edit else VOCAB_SIZE, special_tokens=[ENDOFTEXT],
+                                  show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(_corpus(edit), trainer=trainer)
     learnt = json.loads(bpe.to_str())["model"]
     tok = Qwen2Tokenizer(vocab=learnt["vocab"], merges=[tuple(m) for m in learnt["merges"]])
     tok.add_special_tokens({"additional_special_tokens": list(SPECIAL_TOKENS)})
@@ -108,14 +117,22 @@ def build_qwen_tokenizer():
     if len(prefix) != PROMPT_DROP_IDX:  # the pipeline drops exactly PROMPT_DROP_IDX tokens: they must be the prefix
         raise RuntimeError(f"the tiny Qwen tokenizer splits the template's prefix into {len(prefix)} tokens, "
                            f"QwenImagePipeline drops {PROMPT_DROP_IDX}: the BPE corpus needs more weight")
+    if edit:
+        from gerl.models.qwenimage_edit import EDIT_DROP_IDX, EDIT_TEMPLATE
+
+        n = len(tok(EDIT_TEMPLATE.split("{}")[0]).input_ids)
+        if n != EDIT_DROP_IDX:
+            raise RuntimeError(f"the tiny Qwen tokenizer splits the edit template's prefix into {n} tokens, "
+                               f"QwenImageEditPlusPipeline drops {EDIT_DROP_IDX}")
     return tok
 
 
-def build_tiny_qwenimage(seed: int = 0):
-    """Build the tiny Qwen-Image pipeline (fp32, CPU, eval mode), deterministic for a given seed.
+def build_tiny_qwenimage(seed: int = 0, edit: bool = False):
+    """Build the tiny Qwen-Image pipeline (fp32, CPU, eval mode), deterministic for a given seed; with `edit`, the
+    tiny Qwen-Image-Edit-Plus (`build_tiny_qwenimage_edit_plus`).
 
     Returns:
-        diffusers.QwenImagePipeline
+        diffusers.QwenImagePipeline (QwenImageEditPlusPipeline with `edit`)
     """
     from diffusers import (
         AutoencoderKLQwenImage,
@@ -125,7 +142,7 @@ def build_tiny_qwenimage(seed: int = 0):
     )
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    tokenizer = build_qwen_tokenizer()
+    tokenizer = build_qwen_tokenizer(edit)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in (ENDOFTEXT,) + SPECIAL_TOKENS}
     torch.manual_seed(seed)
     transformer = QwenImageTransformer2DModel(**TRANSFORMER_KWARGS)
@@ -154,13 +171,16 @@ def build_tiny_qwenimage(seed: int = 0):
         vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
     ))
-    pipe = QwenImagePipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG),
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        transformer=transformer,
-    )
+    parts = dict(scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG), vae=vae, text_encoder=text_encoder,
+                 tokenizer=tokenizer, transformer=transformer)
+    if edit:
+        from diffusers import QwenImageEditPlusPipeline
+
+        # no processor: transformers' Qwen2VLProcessor insists on a video processor, which needs torchvision; gerl's
+        # family runs the image processor alone (gerl/models/qwenimage_edit.py), tests build one for the stock call
+        pipe = QwenImageEditPlusPipeline(**parts, processor=None)
+    else:
+        pipe = QwenImagePipeline(**parts)
     for module in (transformer, vae, text_encoder):
         module.eval()
     return pipe
@@ -169,3 +189,15 @@ def build_tiny_qwenimage(seed: int = 0):
 def save_tiny_qwenimage(path, seed: int = 0) -> None:
     """Write the tiny Qwen-Image to `path` as a diffusers directory (safetensors)."""
     build_tiny_qwenimage(seed).save_pretrained(str(path), safe_serialization=True)
+
+
+def build_tiny_qwenimage_edit_plus(seed: int = 0):
+    """The tiny Qwen-Image-Edit-Plus (fp32, CPU): the tiny Qwen-Image's classes and sizes with a tokenizer that also
+    knows the edit template, in a QwenImageEditPlusPipeline without a processor (see gerl/models/qwenimage_edit.py).
+    Its Qwen2.5-VL vision tower (1 block, width 16, 14-pixel patches merged 2×2) reads the conditioning image."""
+    return build_tiny_qwenimage(seed, edit=True)
+
+
+def save_tiny_qwenimage_edit_plus(path, seed: int = 0) -> None:
+    """Write the tiny Qwen-Image-Edit-Plus to `path` as a diffusers directory (safetensors)."""
+    build_tiny_qwenimage_edit_plus(seed).save_pretrained(str(path), safe_serialization=True)

@@ -1,8 +1,8 @@
 """The model's architecture from its configs alone: each weighted component built on the meta device.
 
 model.path → where the configs come from:
-    a hub id whose configs ship here          → assets/configs/<folder> (gerl.models.arch.HUB_IDS: SD3.5-Medium,
-      (or that folder's name)                   FLUX.1-dev, FLUX.1-schnell, Qwen-Image), no download
+    a hub id whose configs ship here          → assets/configs/<folder> (gerl.models.arch.HUB_IDS: SD3.5-Medium and
+      (or that folder's name)                   -Large, FLUX.1-dev, -schnell, Qwen-Image, ...), no download
     tiny, tiny-flux, tiny-qwenimage, ...      → the family's offline tiny builder (seeded)
     ocr-mini, a local diffusers directory     → its <component>/config.json (assets/configs/flux.1-dev is one)
     another hub id                            → its configs in the local HF cache (local_files_only), else a UserError

@@ -80,9 +80,37 @@ def _qwenimage(arch: Architecture, model: ModelConfig) -> PlanFamily:
     return QwenImagePlan(arch, model.max_sequence_length)
 
 
+def _kontext(arch: Architecture, model: ModelConfig) -> PlanFamily:
+    from gerl.plan.edit import kontext
+
+    return kontext(arch, model)
+
+
+def _qwenimage_edit(arch: Architecture, model: ModelConfig) -> PlanFamily:
+    from gerl.plan.edit import qwenimage_edit
+
+    return qwenimage_edit(arch, model)
+
+
+def _flux2(arch: Architecture, model: ModelConfig) -> PlanFamily:
+    from gerl.plan.qwen3 import Flux2KleinPlan
+
+    return Flux2KleinPlan(arch, model.max_sequence_length)
+
+
+def _zimage(arch: Architecture, model: ModelConfig) -> PlanFamily:
+    from gerl.plan.qwen3 import ZImagePlan
+
+    return ZImagePlan(arch, model.max_sequence_length)
+
+
 # transformer class name → builder of its family from the configs and the model's settings
 FAMILIES: dict[str, Callable[[Architecture, ModelConfig], PlanFamily]] = {
-    "SD3Transformer2DModel": _sd3, "FluxTransformer2DModel": _flux, "QwenImageTransformer2DModel": _qwenimage}
+    "SD3Transformer2DModel": _sd3, "FluxTransformer2DModel": _flux, "QwenImageTransformer2DModel": _qwenimage,
+    "Flux2Transformer2DModel": _flux2, "ZImageTransformer2DModel": _zimage}
+# the editing families (gerl.models.family names), which share a transformer class above (gerl/plan/edit.py)
+EDITING: dict[str, Callable[[Architecture, ModelConfig], PlanFamily]] = {
+    "flux_kontext": _kontext, "qwenimage_edit": _qwenimage_edit}
 
 
 # ------------------------------------------------------------------ helpers the families share
@@ -149,8 +177,18 @@ def transformer_class(arch: Architecture) -> str:
 
 def family_for(model: ModelConfig) -> PlanFamily:
     """The plan family of model.path (its configs read as gerl/plan/arch.py says); a UserError names an
-    architecture no family counts yet."""
+    architecture no family counts yet. An editing model shares its transformer's class with a text-to-image family:
+    its pipeline class (model_index.json, the tiny model's) picks it first."""
     arch = architecture(model.path, model.tiny_seed)
+    from gerl.models.loader import model_family
+
+    try:
+        named = model_family(model.path)
+    except UserError:  # a directory of component configs without a model_index.json: its transformer decides
+        named = None
+    edit = EDITING.get(getattr(named, "name", ""))
+    if edit is not None:
+        return edit(arch, model)
     name = transformer_class(arch)
     if name not in FAMILIES:
         raise UserError(f"model.path {model.path}: `gerl plan` counts {', '.join(FAMILIES)} transformers; this one "

@@ -17,12 +17,17 @@ from gerl.sampling.steps import StepOutput, ode_step, stochastic_step
 
 @dataclass
 class Embeds:
-    """Text conditioning for a batch, as the model family's velocity call reads it (gerl/models/<family>.py).
+    """Conditioning for a batch, as the model family's velocity call reads it (gerl/models/<family>.py): the text, and
+    for an image-conditioned family (image editing) the conditioning image's latents.
 
     prompt: (B, L, D) token embeddings; pooled: (B, P) or None (a family without a pooled vector); the negative
     pair is the unconditional branch of classifier-free guidance. mask / neg_mask: (B, L) 1 for real tokens, or None
     when every row has all L tokens (SD3, FLUX pad every prompt to one length). Rows of different lengths (a family
-    that encodes each prompt to its own length) are padded with zeros and mask 0 when batches are concatenated."""
+    that encodes each prompt to its own length) are padded with zeros and mask 0 when batches are concatenated.
+    cond: (B, T, D_c) the conditioning image's VAE latents packed into tokens as the family packs its own latents
+    (FLUX.1-Kontext, Qwen-Image-Edit: the reference tokens appended to the image tokens), or None; cond_hw: (B, 2)
+    long, each row's unpacked latent grid (h, w) — rows of different grids are zero-padded to the longest T, and the
+    family calls its transformer once per grid (`gerl.models.family.condition_groups`)."""
 
     prompt: torch.Tensor
     pooled: torch.Tensor | None
@@ -30,8 +35,10 @@ class Embeds:
     neg_pooled: torch.Tensor | None = None
     mask: torch.Tensor | None = None
     neg_mask: torch.Tensor | None = None
+    cond: torch.Tensor | None = None
+    cond_hw: torch.Tensor | None = None
 
-    FIELDS = ("prompt", "pooled", "neg_prompt", "neg_pooled", "mask", "neg_mask")
+    FIELDS = ("prompt", "pooled", "neg_prompt", "neg_pooled", "mask", "neg_mask", "cond", "cond_hw")
 
     def index(self, idx) -> "Embeds":
         pick = lambda t: None if t is None else t[idx]  # noqa: E731
@@ -59,8 +66,8 @@ class Embeds:
         return out
 
     def with_negative(self, neg: "Embeds") -> "Embeds":
-        """These embeddings with `neg`'s as the unconditional branch."""
-        return Embeds(self.prompt, self.pooled, neg.prompt, neg.pooled, self.mask, neg.mask)
+        """These embeddings with `neg`'s as the unconditional branch (the conditioning image stays this one's)."""
+        return Embeds(self.prompt, self.pooled, neg.prompt, neg.pooled, self.mask, neg.mask, self.cond, self.cond_hw)
 
 
 @dataclass

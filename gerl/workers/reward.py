@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gerl.data.prompts import with_source_images
 from rewards.registry import call_reward
 
 _WORKER_FN = None  # the reward installed once per worker process (so its lazily loaded model is loaded once)
@@ -320,7 +321,9 @@ class RewardSet:
                           for c, fn in zip(components, fns)]
 
     def submit(self, images, prompts, metadata) -> list[Future]:
-        """One future per component for this micro-batch."""
+        """One future per component for this micro-batch. A prompt's conditioning image (an edit) reaches the rewards
+        opened, as metadata["source_image"] (gerl.data.prompts.with_source_images)."""
+        metadata = with_source_images(metadata)
         return [ex.submit(images, prompts, metadata) for ex in self.executors]
 
     def gather(self, handles: list[list[Future]]) -> RewardResult:
@@ -332,6 +335,7 @@ class RewardSet:
     def score_now(self, images, prompts, metadata, micro_batch_size: int) -> RewardResult:
         """Score in this thread, micro-batch after micro-batch (with_reward off; validation)."""
         t0 = time.perf_counter()
+        metadata = with_source_images(metadata)
         per_mb = []
         for s in range(0, len(images), micro_batch_size):
             sl = slice(s, s + micro_batch_size)

@@ -10,7 +10,8 @@ import torch
 from PIL import Image
 
 from gerl.config import SamplingConfig
-from gerl.models.family import families, family_of
+from gerl.data.prompts import condition_images
+from gerl.models.family import family_of
 from gerl.models.vae import to_uint8
 from gerl.sampling.loop import Embeds, Schedule, Trajectory, denoise, sde_window
 from gerl.workers.batch import RolloutBatch
@@ -43,13 +44,13 @@ def group_seed(seed: int, step: int, group_id: int) -> int:
 
 
 @torch.no_grad()
-def decode(vae, latents: torch.Tensor, family=None) -> list[Image.Image]:
-    """Canonical latents (B, C, h, w) → PIL images through the model family's VAE decoding (default: SD3's, the
-    scaling and shift factors), in the VAE's own dtype and memory format (model.vae_dtype, as the loader prepared
+def decode(vae, latents: torch.Tensor, family) -> list[Image.Image]:
+    """Canonical latents (B, C, h, w) → PIL images through the model family's VAE decoding (`family.decode`: SD3's
+    scaling and shift factors, Qwen-Image's per-channel statistics and video VAE, ...), in the VAE's own dtype and memory format (model.vae_dtype, as the loader prepared
     it: bf16 and channels_last on CUDA, fp32 on a CPU; gerl/models/vae.py). Never fp16: its decoder overflows to
     NaN there, and a NaN image would become a black image scoring ~0 without a word — so a non-finite decode is
     reported on stderr."""
-    x = (family or families()["sd3"]).decode(vae, latents).float()
+    x = family.decode(vae, latents).float()
     bad = int((~torch.isfinite(x.flatten(1))).any(1).sum())
     if bad:
         print(f"gerl: warning: the VAE decoded {bad} of {len(x)} images with NaN/inf values (VAE dtype {vae.dtype}); "
@@ -100,7 +101,7 @@ class RolloutWorker:
                 between()
             versions.append(self.policy_version)
             t0 = time.perf_counter()
-            embeds = self.embedder(prompts[sl], with_negative=guided)
+            embeds = self.embedder(prompts[sl], with_negative=guided, images=condition_images(metadata[sl]))
             seeds = [sample_seed(self.seed, step, index_offset + i)
                      for i in range(sl.start, min(sl.stop, len(prompts)))]
             if cfg.init_same_noise:
@@ -137,8 +138,9 @@ class RolloutWorker:
 
     @torch.no_grad()
     def sample_images(self, prompts: list[str], seed: int, num_steps: int, guidance: float,
-                      micro_batch_size: int | None = None) -> list[Image.Image]:
-        """ODE sampling for validation / `gerl sample` / `gerl eval`: image i uses noise seed (seed, i)."""
+                      micro_batch_size: int | None = None, images: list | None = None) -> list[Image.Image]:
+        """ODE sampling for validation / `gerl sample` / `gerl eval`: image i uses noise seed (seed, i). images: each
+        prompt's conditioning image path (an image-editing family), or None."""
         sched: Schedule = self.family.schedule(self.pipe.scheduler.config, num_steps, self.latent_shape)
         mb = micro_batch_size or self.cfg.micro_batch_size
         out = []
@@ -146,7 +148,8 @@ class RolloutWorker:
         for start in range(0, len(prompts), mb):
             chunk = prompts[start:start + mb]
             noise, _ = latent_noise([sample_seed(seed, 0, start + i) for i in range(len(chunk))], self.latent_shape)
-            embeds = self.embedder(chunk, with_negative=self.family.uses_negative(guidance))
+            embeds = self.embedder(chunk, with_negative=self.family.uses_negative(guidance),
+                                   images=None if images is None else images[start:start + mb])
             traj = denoise(self.pipe.transformer, embeds, noise.to(self.device), sched, [], self.cfg.sampler,
                            self.cfg.noise_level, guidance, None)
             out.extend(decode(self.pipe.vae, traj.final_latents, self.family))

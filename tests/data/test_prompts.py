@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 from gerl.data import Prompt, PromptSampler, load_prompts
 from gerl.errors import UserError
@@ -144,3 +145,40 @@ def test_generator_is_deterministic(tmp_path):
         assert (tmp_path / "a" / name).read_text() == (tmp_path / "b" / name).read_text()
     shipped = (ROOT / "assets/ocr/test.txt").read_text()
     assert (tmp_path / "a" / "test.txt").read_text() == shipped  # the test split does not depend on train-size
+
+
+# ---- conditioning images (image editing) -----------------------------------------------------------------------
+
+def test_image_lines_resolve_relative_to_the_file_and_reach_the_rewards_opened(tmp_path):
+    """assets/edit/train.jsonl, the documented example: each "image" resolved against the file's folder and kept as
+    an absolute path; `with_source_images` gives the rewards the opened image beside it (one open per file)."""
+    from gerl.data.prompts import condition_images, with_source_images
+
+    repo = Path(__file__).resolve().parents[2]
+    loaded = load_prompts(repo / "assets" / "edit" / "train.jsonl")
+    assert loaded[0].metadata["image"] == str(repo / "assets" / "edit" / "images" / "closed.png")
+    assert loaded[0].metadata["target_text"] == "OPEN"
+    meta = [p.metadata for p in loaded] + [{}]
+    assert condition_images(meta)[:1] == [loaded[0].metadata["image"]] and condition_images([{}, {}]) is None
+    given = with_source_images(meta)
+    assert given[0]["source_image"].size == (96, 64) and given[0]["source_image"].mode == "RGB"
+    assert given[-1] == {} and "source_image" not in meta[0], "the prompts' own metadata is left as it was"
+    sub = tmp_path / "sub"
+    sub.mkdir()
+    given[0]["source_image"].save(sub / "a.png")
+    assert load_prompts(write(tmp_path / "p.jsonl", '{"prompt": "x", "image": "sub/a.png"}\n'))[0].metadata == {
+        "image": str(sub / "a.png")}
+
+
+@pytest.mark.parametrize("line, match", [
+    ('{"prompt": "x", "image": "missing.png"}', r"p\.jsonl:2: image missing\.png not found \(looked for "),
+    ('{"prompt": "x", "image": "not_an_image.png"}', r"p\.jsonl:2: image not_an_image\.png .* is not a readable image"),
+    ('{"prompt": "x", "image": 3}', r'p\.jsonl:2: "image" must be a path string'),
+])
+def test_a_missing_or_unreadable_image_is_a_one_line_error_naming_the_line(tmp_path, line, match):
+    (tmp_path / "not_an_image.png").write_text("plain text")
+    Image.new("RGB", (8, 8)).save(tmp_path / "ok.png")
+    path = write(tmp_path / "p.jsonl", '{"prompt": "fine", "image": "ok.png"}\n' + line + "\n")
+    with pytest.raises(UserError, match=match) as info:
+        load_prompts(path)
+    assert "\n" not in str(info.value)

@@ -66,18 +66,30 @@ def test_a_family_launcher_rehearses_its_gpu_layout(tmp_path, declared_gpus, cap
     assert all(r["ratio_max_dev_before_update"] <= 1e-2 for r in steps if r["policy_lag"] == 0)  # bf16, same weights
 
 
+EDIT = [f"data.train_prompts={REPO / 'assets/edit/train.jsonl'}", f"data.test_prompts={REPO / 'assets/edit/test.jsonl'}",
+        "model.condition_resolution=64", "model.lora_targets=[]"]
+
+
 @pytest.mark.parametrize("model, algo, placement", [
     ("tiny-flux-schnell", ["algo.name=nft", "algo.train_timesteps=2", "algo.anchor_decay_rate=1",
                            "algo.anchor_decay_max=0.5"],
      ["engine.hybrid=false", "engine.schedule=stream", "engine.max_staleness=1"]),
+    # the editing families' prompts carry their images across Ray (the rollout hosts read them, the actor trains on
+    # the cached reference tokens)
+    ("tiny-flux-kontext", ["sampling.sde_window_size=2", *EDIT],
+     ["engine.hybrid=false", "engine.schedule=stream", "engine.max_staleness=1"]),
+    ("tiny-qwenimage-edit", ["algo.name=awm", "algo.timesteps=stratified", "algo.train_timesteps=2", *EDIT],
+     ["engine.hybrid=true", "engine.actor_workers=1"]),
     ("tiny-flux", ["algo.name=awm", "algo.timesteps=stratified", "algo.train_timesteps=2"],
      ["engine.hybrid=true", "engine.actor_workers=1"]),
     ("tiny-qwenimage", ["sampling.sde_window_size=2", "model.lora_targets=[]"],
      ["engine.hybrid=false", "engine.schedule=stream", "engine.max_staleness=1"]),
-], ids=["schnell-nft-stream", "dev-awm-hybrid", "qwenimage-fast-stream"])
+], ids=["schnell-nft-stream", "kontext-fast-stream", "qwenimage-edit-awm-hybrid", "dev-awm-hybrid",
+        "qwenimage-fast-stream"])
 def test_a_family_on_the_stream_and_on_hybrid_hosts(tmp_path, declared_gpus, model, algo, placement):
     # nft trains without guidance (NVlabs'; gerl refuses it); dev's guidance embedding, Qwen-Image's true CFG
-    guidance = {"tiny-flux-schnell": 1.0, "tiny-flux": 3.5, "tiny-qwenimage": 4.0}[model]
+    guidance = {"tiny-flux-schnell": 1.0, "tiny-flux": 3.5, "tiny-qwenimage": 4.0, "tiny-flux-kontext": 2.5,
+                "tiny-qwenimage-edit": 4.0}[model]
     train(small_config(tmp_path, f"model.path={model}", "sampling.num_steps=4", f"sampling.guidance_scale={guidance}",
                        "sampling.sde_window_range=[0,3]", *CPU_HOSTS, *placement, *algo))
     steps = rows(tmp_path)

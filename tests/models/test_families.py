@@ -36,7 +36,9 @@ def test_each_tiny_model_and_saved_directory_is_its_familys(tiny_dir, tmp_path):
     from gerl.models.tiny import save_tiny_flux
 
     assert {name: family_for_path(name).name for name in TINY_MODELS} == {
-        "tiny": "sd3", "tiny-flux": "flux", "tiny-flux-schnell": "flux", "tiny-qwenimage": "qwenimage"}
+        "tiny": "sd3", "tiny-flux": "flux", "tiny-flux-schnell": "flux", "tiny-qwenimage": "qwenimage",
+        "tiny-flux-kontext": "flux_kontext", "tiny-qwenimage-edit": "qwenimage_edit", "tiny-flux2-klein": "flux2",
+        "tiny-zimage": "zimage"}
     assert family_for_path(str(tiny_dir)).name == "sd3"
     save_tiny_flux(tmp_path / "flux", 0)
     assert model_family(str(tmp_path / "flux")).name == "flux"
@@ -89,18 +91,31 @@ def model(request):
     return load_pipeline(request.param)
 
 
+@pytest.fixture(scope="module")
+def edit_images(tmp_path_factory):
+    """Conditioning images for the editing families, one per group, of two aspects: at model.condition_resolution=64
+    their references have different latent grids, so a rollout micro-batch holds both."""
+    from tests.models.test_flux_kontext import picture
+
+    d = tmp_path_factory.mktemp("family_images")
+    for i, size in enumerate([(64, 64), (80, 48)]):
+        picture(*size, 20 + i).save(d / f"{i}.png")
+    return [str(d / f"{i}.png") for i in (0, 0, 1, 1)]
+
+
 ALGOS = {  # sampling window, algorithm
     "flow_grpo": (0, "flow_grpo"), "fast": (2, "flow_grpo"), "awm": (0, "awm"), "nft": (0, "nft"), "dgpo": (0, "dgpo"),
 }
 
 
 @pytest.mark.parametrize("algo", list(ALGOS))
-def test_the_first_update_starts_where_the_rollout_left_off(model, algo):
+def test_the_first_update_starts_where_the_rollout_left_off(model, algo, edit_images):
     """Rollout micro-batches of 4, training micro-batches of 1 in a shuffled order: a velocity that depended on
     its batch neighbours (a packing that mixed samples, a text mask not applied while prompts of different lengths
     share a padded batch) or on anything but its inputs would show here. SD3 runs classifier-free guidance (a
     doubled batch), FLUX.1-dev its guidance embedding, schnell none, Qwen-Image true CFG (a second pass on the
-    negative prompt " ", norm-rescaled)."""
+    negative prompt " ", norm-rescaled); the editing families (FLUX.1-Kontext, Qwen-Image-Edit-Plus) theirs with a
+    conditioning image per group, two reference sizes in one rollout micro-batch (one transformer call per size)."""
     window, name = ALGOS[algo]
     family = family_of(model)
     guidance = 3.0 if family.name == "sd3" else 3.5
@@ -114,9 +129,10 @@ def test_the_first_update_starts_where_the_rollout_left_off(model, algo):
     sampling = SamplingConfig(sampler="cps", num_steps=4, guidance_scale=guidance, sde_window_size=window,
                               sde_window_range=[0, 3], micro_batch_size=4)
     pipe = SimpleNamespace(transformer=tr, vae=model.vae, scheduler=model.scheduler)
-    rollout = RolloutWorker(pipe, TextEmbedder(model, TOKEN_LENGTH), sampling, RESOLUTION, seed=0,
-                            record_sde=name == "flow_grpo")
-    batch = rollout.generate(PROMPTS, [{}] * 4, GROUPS, step=1)
+    rollout = RolloutWorker(pipe, TextEmbedder(model, TOKEN_LENGTH, condition_resolution=64), sampling, RESOLUTION,
+                            seed=0, record_sde=name == "flow_grpo")
+    meta = [{"image": p} for p in edit_images] if family.conditioned else [{}] * 4
+    batch = rollout.generate(PROMPTS, meta, GROUPS, step=1)
     batch.rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
     actor = ActorWorker(tr, TrainConfig(micro_batch_size=1, learning_rate=1e-3), ModelConfig(lora=True), sampling,
                         max_steps=1, images_per_step=4, seed=0, algo=AlgoConfig(name=name, train_timesteps=2))
@@ -155,3 +171,81 @@ def test_the_first_update_starts_where_the_rollout_left_off(model, algo):
         assert abs(control["grad_norm"] - metrics["grad_norm"]) <= 1e-6 * metrics["grad_norm"]
     if name == "dgpo":  # the live adapter is not the base: margins ≠ 0; the anchor is the weights: ratio 1
         assert metrics["margin_mean"] != 0 and abs(metrics["ratio_mean"] - 1) <= 1e-6 and metrics["clipfrac"] == 0
+
+
+# ------------------------------------------------------------------ the import-race guard
+
+GUARD_CHECK = r"""
+import importlib, json, sys
+from gerl.models import arch
+from gerl.models.family import by_pipeline_class, families
+
+missing = {}
+for folder in arch.shipped():
+    d = arch.CONFIGS / folder
+    index = json.loads((d / "model_index.json").read_text()) if (d / "model_index.json").is_file() else {}
+    want = {("diffusers", index["_class_name"])} if index else set()
+    want |= {tuple(v) for k, v in index.items() if not k.startswith("_") and v[0] is not None}
+    for c in arch.components(folder):
+        cfg = arch.load_config(folder, c)
+        want.add(("diffusers", cfg["_class_name"]) if "_class_name" in cfg else ("transformers", cfg["architectures"][0]))
+    tr = arch.load_config(folder, "transformer")["_class_name"]
+    fam = (by_pipeline_class(index["_class_name"], folder) if index else
+           next(f for f in families().values() if f.transformer_class == tr))
+    fam.resolve_lazy_classes()  # this family's guard, checked before the next family's runs
+    gone = [f"{lib}.{n}" for lib, n in sorted(want) if n not in vars(importlib.import_module(lib))]
+    if gone:
+        missing[folder] = gone
+print(json.dumps(missing))
+"""
+
+
+def test_the_import_guard_resolves_every_class_a_shipped_model_names_for_each_family():
+    """gerl.trainer.MemoryPlanner plans on a thread while the main thread loads the model; both reach diffusers' and
+    transformers' lazy modules, so the main thread resolves the run's family's classes first
+    (`Family.resolve_lazy_classes`). In a fresh process, each shipped model's published classes (its component
+    configs, its model_index.json where shipped) are plain attributes of their library right after its family's
+    guard ran. (Broken on purpose: a guard that resolved SD3's classes alone left FLUX.1's FluxPipeline and
+    CLIPTextModel, and Qwen-Image's classes, unresolved.)"""
+    import os
+    import subprocess
+    import sys
+
+    from tests.train.helpers import REPO
+
+    out = subprocess.run([sys.executable, "-c", GUARD_CHECK], capture_output=True, text=True, cwd=REPO, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {}
+
+
+def test_editing_families_log_no_mfu_rather_than_a_wrong_one():
+    """The FLOPs model (gerl/logging/flops.py) counts a transformer's image tokens, not an editing model's reference
+    tokens (as many again at the same size): FLUX.1-Kontext and Qwen-Image-Edit-Plus get no FLOPs model (mfu null)
+    rather than one that undercounts by half, though their transformers are FLUX.1's and Qwen-Image's classes; and a
+    transformer class gerl does not count is refused by its name, not taken for FLUX.1 by a key it shares."""
+    from gerl.logging.flops import family_of_config
+    from gerl.logging.throughput import model_configs
+
+    for name in ("tiny-flux-kontext", "tiny-qwenimage-edit"):
+        assert model_configs(name, load_pipeline(name)) is None
+    assert model_configs("tiny-flux", load_pipeline("tiny-flux")).family == "flux"
+    with pytest.raises(ValueError, match="no FLOPs model .* Flux2Transformer2DModel"):
+        family_of_config({"_class_name": "Flux2Transformer2DModel", "num_single_layers": 20})
+
+
+def test_the_editing_models_configs_ship_and_plan_offline():
+    """FLUX.1-Kontext-dev and Qwen-Image-Edit-2509 share their transformer's class with FLUX.1 and Qwen-Image: their
+    shipped model_index.json (assets/configs) names the family offline, and `gerl plan` takes the editing plan
+    (its reference image's tokens counted: gerl/plan/edit.py; checked against the CPU allocator in
+    tests/test_plan_families.py)."""
+    from gerl.config import ModelConfig
+    from gerl.plan.edit import FluxKontextPlan, QwenImageEditPlan
+    from gerl.plan.family import family_for
+
+    for hub, name, plan in (("black-forest-labs/FLUX.1-Kontext-dev", "flux_kontext", FluxKontextPlan),
+                            ("Qwen/Qwen-Image-Edit-2509", "qwenimage_edit", QwenImageEditPlan)):
+        assert family_for_path(hub).name == name
+        fam = family_for(ModelConfig(path=hub, condition_resolution=512))
+        assert type(fam) is plan and "512² reference image (1024 tokens)" in fam.describe()
+    assert family_for_path("black-forest-labs/FLUX.1-dev").name == "flux"  # its model_index.json ships too

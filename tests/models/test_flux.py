@@ -37,16 +37,16 @@ def stock(pipe):
     return FluxPipeline(**{**pipe.components, "scheduler": copy.deepcopy(pipe.scheduler)})
 
 
-def stock_latents(pipeline, prompts, seeds, steps, guidance, **kw):
+def stock_latents(pipeline, prompts, seeds, steps, guidance, res=RESOLUTION, **kw):
     """The stock call's final latents, unpacked by the stock pipeline's own helper: (B, 16, h, w)."""
-    out = pipeline(prompt=prompts, num_inference_steps=steps, guidance_scale=guidance, height=RESOLUTION,
-                   width=RESOLUTION, max_sequence_length=TOKEN_LENGTH, output_type="latent",
+    out = pipeline(prompt=prompts, num_inference_steps=steps, guidance_scale=guidance, height=res,
+                   width=res, max_sequence_length=TOKEN_LENGTH, output_type="latent",
                    generator=[torch.Generator().manual_seed(s) for s in seeds], **kw).images
-    return pipeline._unpack_latents(out, RESOLUTION, RESOLUTION, pipeline.vae_scale_factor).float()
+    return pipeline._unpack_latents(out, res, res, pipeline.vae_scale_factor).float()
 
 
-def ours(pipe, prompts, seeds, steps, guidance):
-    shape = FLUX.latent_shape(pipe, RESOLUTION)
+def ours(pipe, prompts, seeds, steps, guidance, res=RESOLUTION):
+    shape = FLUX.latent_shape(pipe, res)
     noise, _ = latent_noise(seeds, shape)
     schedule = FLUX.schedule(pipe.scheduler.config, steps, shape)
     return denoise(pipe.transformer, TextEmbedder(pipe, TOKEN_LENGTH)(prompts), noise, schedule, [], "sde", 0.7,
@@ -65,6 +65,20 @@ def test_ode_sampling_and_decoding_reproduce_the_stock_flux_pipeline(pipe, steps
                              generator=[torch.Generator().manual_seed(s) for s in SEEDS]).images
         for a, b in zip(decode(pipe.vae, got, FLUX), images):
             assert np.abs(np.asarray(a, dtype=int) - np.asarray(b, dtype=int)).max() <= 1
+
+
+@pytest.mark.parametrize("res, tokens", [(256, 1024), (512, 4096)])
+def test_ode_sampling_at_real_token_counts_reproduces_the_stock_pipeline(pipe, res, tokens):
+    """The tiny VAE downsamples 4×, so 256 px gives the 1024 packed tokens of a real 512² image (dev's mu = 0.63,
+    inside the dynamic shift's line from 256 to 4096 tokens) and 512 px the 4096 of a real 1024² one (mu = 1.15, its
+    end), where the 128 px parity above (64 tokens, below base_image_seq_len) extrapolates the line. The stock
+    FluxPipeline and gerl agree there too. (Schnell has no shift: its 128 px parity says all there is.)"""
+    if not pipe.transformer.config.guidance_embeds:
+        pytest.skip("schnell's σ do not depend on the token count")
+    ref = stock_latents(stock(pipe), PROMPTS[:1], SEEDS[:1], 3, 3.5, res=res)
+    got = ours(pipe, PROMPTS[:1], SEEDS[:1], 3, 3.5, res=res)
+    assert got.shape[1:] == FLUX.latent_shape(pipe, res) and (got.shape[2] // 2) * (got.shape[3] // 2) == tokens
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
 
 
 def test_guidance_is_dev_s_embedding_and_schnell_has_none(pipe):

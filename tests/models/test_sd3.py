@@ -86,3 +86,27 @@ def test_sd35_large_is_an_sd3_transformer_without_dual_attention_and_takes_the_d
     adapted = {n.rsplit(".", 1)[0] for n, _ in tr.named_modules() if n.endswith(".lora_A")}
     # 4 image + 4 context projections per block, but the last block's context stream has no output (context_pre_only)
     assert len(adapted) == 38 * 8 - 1
+
+
+def test_sd35_large_s_shipped_configs_are_the_family_s_and_plan_offline():
+    """assets/configs/sd3.5-large: the transformer config is the layout above (the published values) and counts the
+    model card's 8.1 B exactly as built (8,056,627,520); the hub id resolves to the shipped folder without the HF
+    cache, so `gerl plan` and the SD3.5-Large recipe need no download; the other parts are SD3.5-Medium's files."""
+    from gerl.config import ModelConfig, load_config
+    from gerl.models import arch
+    from gerl.plan.arch import architecture
+    from gerl.plan.family import family_for
+    from tests.train.helpers import REPO
+
+    shipped = arch.load_config("sd3.5-large", "transformer")
+    assert {k: v for k, v in shipped.items() if k != "_class_name"} == {
+        k: v for k, v in SD35_LARGE.items() if k != "dual_attention_layers"}
+    with torch.device("meta"):
+        tr = arch.build("stabilityai/stable-diffusion-3.5-large", ["transformer"])["transformer"]
+    assert sum(p.numel() for p in tr.parameters()) == 8_056_627_520 and family_of(tr) is SD3
+    for part in ("vae", "text_encoder", "text_encoder_2", "text_encoder_3", "scheduler"):
+        assert arch.load_config("sd3.5-large", part) == arch.load_config("sd3.5-medium", part)
+    cfg = load_config(str(REPO / "recipes" / "flow_grpo_sd35_large_ocr.yaml"))
+    assert cfg.model.path == "stabilityai/stable-diffusion-3.5-large"
+    assert architecture(cfg.model.path).source.startswith("sd3.5-large configs")
+    assert family_for(ModelConfig(path=cfg.model.path)).components("actor") == ("transformer",)
