@@ -245,10 +245,10 @@ def test_the_swap_backup_is_held_where_the_weights_are_swapped():
     local = plan_for_config(load_config(TINY, over)).role("hybrid")
     split = plan_for_config(load_config(TINY, [*over, "engine.kind=ray", "engine.hybrid=false"]))
     params = list(build_tiny_sd3(0).transformer.parameters())
-    trained = sum(p.numel() * 2 for p in params)  # bf16
-    backup = sum(-(-p.numel() * 2 // 512) * 512 for p in params)
+    masters = sum(p.numel() * 4 for p in params)  # the anchor copies the fp32 masters of the bf16 weights
+    backup = sum(-(-p.numel() * 2 // 512) * 512 for p in params)  # the swap backs up the model's bf16 weights
     anchor = [i for i in split.role("actor").resident if i.name.startswith("anchor")]
-    assert [i.gib * 2**30 for i in anchor] == [trained]
+    assert [i.gib * 2**30 for i in anchor] == [masters]
     rollout = {p.name.split(" (")[0]: p.gib for p in split.role("rollout").phases}
     swapped = {p.name: p.gib for p in local.phases if "swapped in" in p.name and p.knob == "sampling.micro_batch_size"}
     assert len(swapped) == 6  # text encoders, denoising, VAE decode: under the anchor, and in validation the EMA
