@@ -169,9 +169,10 @@ class ImageRewardReward(LazyModelReward):
         if transformers_major() >= 5:
             from importlib.metadata import version
 
-            raise UserError(f"reward 'imagereward': image-reward 1.5 does not run on transformers {version('transformers')}"
-                            " (its BLIP tokenizer reads additional_special_tokens_ids, removed in transformers 5); "
-                            "run it where transformers<5 is installed (scripts/packaged_rewards_env.sh builds one)")
+            raise UserError(f"reward 'imagereward': image-reward 1.5 does not run on transformers "
+                            f"{version('transformers')} (its BLIP tokenizer reads additional_special_tokens_ids, "
+                            "removed in transformers 5); run it where transformers<5 is installed "
+                            "(scripts/packaged_rewards_env.sh builds one)")
         super().__init__(device, "fp32", 1)
         self.model_id = model if model == "ImageReward-v1.0" else model_source(model, "imagereward model")
         self.med_config = med_config or None

@@ -1,4 +1,5 @@
-"""The OCR reward's `paddleocr` backend, offline: PP-OCRv6 converted from rapidocr's ONNX files (rewards/paddle_models.py).
+"""The OCR reward's `paddleocr` backend, offline: PP-OCRv6 converted from rapidocr's ONNX files
+(rewards/paddle_models.py).
 
 `pytest -m paddleocr` runs scripts/paddleocr_check.sh where its venv is built (`bash scripts/paddleocr_check.sh`
 builds .venv-paddle once: ~4 min, 2 GB; GERL_PADDLE_VENV names another): `gerl score` with backend paddleocr and an

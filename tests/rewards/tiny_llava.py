@@ -65,8 +65,9 @@ def build_tiny_llava(seed: int = 0, head_dim: int = 16):
 
     tok = build_tokenizer()
     hidden = 2 * head_dim
-    vision = CLIPVisionConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2, num_attention_heads=2,
-                              image_size=IMAGE_SIZE, patch_size=PATCH_SIZE, projection_dim=hidden)
+    vision = CLIPVisionConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+                              num_attention_heads=2, image_size=IMAGE_SIZE, patch_size=PATCH_SIZE,
+                              projection_dim=hidden)
     text = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
                        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512,
                        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
