@@ -27,7 +27,8 @@ shift $(( $# > 2 ? 2 : $# ))
 # Which python holds vLLM, and is it the CPU build? (`vllm` on PATH without VLLM_PYTHON: use its interpreter.)
 PY="${VLLM_PYTHON:-}"
 if [[ -z "$PY" ]] && command -v vllm >/dev/null; then
-  PY="$(head -1 "$(command -v vllm)" | sed 's/^#!//')"
+  PY="$(head -1 "$(command -v vllm)" | sed 's/^#!//')"  # a pip-installed script's shebang names its venv's python
+  [[ -x "$PY" ]] || PY=""  # e.g. "/usr/bin/env python3"
 fi
 PY="${PY:-python3}"
 DEVICE="$("$PY" - <<'EOF' 2>/dev/null || true
@@ -61,5 +62,8 @@ fi
 if [[ "$DEVICE" == cpu ]]; then
   export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
   exec "$PY" -m vllm.entrypoints.openai.api_server --model "$MODEL" "${ARGS[@]}" "$@"
+fi
+if [[ -z "${VLLM_PYTHON:-}" ]] && command -v vllm >/dev/null; then
+  exec vllm serve "$MODEL" --gpu-memory-utilization "${GPU_MEM:-0.9}" "${ARGS[@]}" "$@"
 fi
 exec "$PY" -m vllm.entrypoints.cli.main serve "$MODEL" --gpu-memory-utilization "${GPU_MEM:-0.9}" "${ARGS[@]}" "$@"
