@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -284,6 +285,8 @@ def main() -> int:
               f"vllm_inprocess {N_IMAGES}/{N_IMAGES} scored (mean {mean(inproc['scores']):.3f}) at "
               f"{inproc['rps']} req/s, {same}/{N_IMAGES} replies as over HTTP; server start-up "
               f"{http['startup_s']} s", flush=True)
+        server.kill()
+        shutil.rmtree(work, ignore_errors=True)  # kept after a failure: the server log is in it
         return 0
     except CheckFailed as e:
         print(f"vllm_check FAILED: {e}", file=sys.stderr, flush=True)
