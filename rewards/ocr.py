@@ -13,7 +13,8 @@ lacks), and the quoted target keeps a tab or no-break space at its ends (`prompt
 
 Backends:
 - `rapidocr` (default): PP-OCR ONNX models shipped inside the `rapidocr` wheel; CPU, offline.
-- `paddleocr`: PaddleOCR 3.x (GPU-capable), an optional extra: `pip install gerl[paddleocr]`.
+- `paddleocr`: PaddleOCR 3.x (GPU-capable), an optional extra: `pip install gerl[paddleocr]`; offline, it runs the same
+  PP-OCRv6 small models, converted once from rapidocr's ONNX files into PaddleOCR's cache (rewards/paddle_models.py).
 
 `score="likelihood"` (rapidocr, rec_only) scores instead how likely the recogniser finds the target: the CTC
 probability of the target string (whitespace removed, case as written) under the recogniser's per-frame character
@@ -325,9 +326,27 @@ class OcrReward:
             import paddleocr
         except ImportError as e:
             raise UserError(f"OCR backend 'paddleocr' failed to import ({e}); pip install 'gerl[paddleocr]'")
+        import os
+
+        from rewards import paddle_models as pm
+
+        # Offline by default: PaddleX otherwise probes its model hosts at start-up. The models are the PP-OCRv6 small
+        # pair rapidocr ships (so both backends read with the same weights), converted once into PaddleOCR's cache
+        # (rewards/paddle_models.py) unless paddle_kwargs name other models. The converted graphs need
+        # enable_mkldnn=False (Paddle's oneDNN executor rejects one of their attributes).
+        os.environ.setdefault("PADDLE_PDX_DISABLE_MODEL_SOURCE_CHECK", "True")
         common = {"cpu_threads": self.num_threads} if self.num_threads else {}
+        kw = dict(self.paddle_kwargs)
         if self.rec_only:
-            return paddleocr.TextRecognition(**common, **self.paddle_kwargs)
+            if not {"model_name", "model_dir"} & kw.keys():
+                kw = {"model_name": pm.REC, "model_dir": str(pm.ensure_models()[pm.REC]), "enable_mkldnn": False,
+                      **kw}
+            return paddleocr.TextRecognition(**common, **kw)
+        if not {"text_detection_model_name", "text_recognition_model_name"} & kw.keys():
+            dirs = pm.ensure_models()
+            kw = {"text_detection_model_name": pm.DET, "text_detection_model_dir": str(dirs[pm.DET]),
+                  "text_recognition_model_name": pm.REC, "text_recognition_model_dir": str(dirs[pm.REC]),
+                  "enable_mkldnn": False, **kw}
         return paddleocr.PaddleOCR(
             use_doc_orientation_classify=False,
             use_doc_unwarping=False,
@@ -335,7 +354,7 @@ class OcrReward:
             text_det_limit_side_len=self.det_limit_side_len,
             text_det_limit_type="max",
             text_rec_score_thresh=self.min_confidence,
-            **{**common, **self.paddle_kwargs},
+            **{**common, **kw},
         )
 
 

@@ -4,8 +4,17 @@ Both are optional extras (`pip install 'gerl[hpsv2]'`, `pip install 'gerl[imager
 torchvision (hpsv2 directly, image-reward through timm and its BLIP transforms). Without the package, building the
 reward stops with one line saying what to install; nothing is imported until then.
 
-Not exercised by gerl's CI: torchvision has no CPU wheel on the CI machines, so these two wrappers are written
-against the packages' published APIs (hpsv2 1.2, image-reward 1.5) and tested only for their missing-package error.
+Both run here on CPU (tests/rewards/test_packaged_run.py, `pytest -m packaged`, in the venv that
+scripts/packaged_rewards_env.sh builds) on tiny random weights, through the packages' own model code, after three
+fixes gerl applies or names:
+- PyPI's only torchvision for torch 2.13 is a CUDA build whose compiled ops cannot load on the CPU torch, which
+  stops `import torchvision` outright; both packages use only its pure-Python transforms, so `_build` arms
+  gerl/torchvision_ops.py first (it declares the op schemas only when torchvision's own `_C.so` fails to load);
+- image-reward 1.5 imports three helpers that transformers moved to `transformers.pytorch_utils`; `_build` puts
+  them back where it looks. It also needs transformers < 5 (its BLIP tokenizer reads `additional_special_tokens_ids`,
+  gone in 5.0): with transformers 5 the factory stops with one line saying so;
+- hpsv2 1.2.0's wheel lacks its tokenizer's `bpe_simple_vocab_16e6.txt.gz`: the factory stops with one line
+  saying where to copy it from (open_clip_torch ships the same file).
 
 - `hpsv2`: HPS v2 / v2.1 (Wu et al. 2023): a fine-tuned OpenCLIP ViT-H/14; score = cos(image, prompt), ~0.2–0.35.
   flow_grpo and verl-omni use it raw.
@@ -34,11 +43,48 @@ def require_package(module: str, extra: str, who: str) -> None:
                         f"(it needs torchvision, which must match your torch)")
 
 
+def package_dir(module: str) -> Path:
+    return Path(list(importlib.util.find_spec(module).submodule_search_locations)[0])
+
+
+def transformers_major() -> int:
+    from importlib.metadata import version
+
+    return int(version("transformers").split(".")[0])
+
+
+def restore_moved_transformers_helpers() -> None:
+    """image-reward 1.5's BLIP imports apply_chunking_to_forward, prune_linear_layer and
+    find_pruneable_heads_and_indices from transformers.modeling_utils; transformers 4.x moved them to
+    transformers.pytorch_utils (the last one is gone since). Put them back where it looks, unchanged."""
+    import torch
+    import transformers.modeling_utils as modeling_utils
+    from transformers import pytorch_utils
+
+    def find_pruneable_heads_and_indices(heads, n_heads, head_size, already_pruned_heads):
+        # transformers 4.3x's own helper, verbatim in effect: the heads left to prune and the kept channel indices
+        mask = torch.ones(n_heads, head_size)
+        heads = set(heads) - already_pruned_heads
+        for head in heads:
+            mask[head - sum(1 if h < head else 0 for h in already_pruned_heads)] = 0
+        mask = mask.view(-1).contiguous().eq(1)
+        return heads, torch.arange(len(mask))[mask].long()
+
+    for name, fn in (("apply_chunking_to_forward", pytorch_utils.apply_chunking_to_forward),
+                     ("prune_linear_layer", pytorch_utils.prune_linear_layer),
+                     ("find_pruneable_heads_and_indices", find_pruneable_heads_and_indices)):
+        if not hasattr(modeling_utils, name):
+            setattr(modeling_utils, name, fn)
+
+
 class HpsV2Reward(LazyModelReward):
     """HPS v2.x score: cosine of the HPS-tuned OpenCLIP ViT-H/14 image and prompt embeddings.
 
     Args:
         version: "v2.1" (default, what flow_grpo and verl-omni use) or "v2.0".
+        architecture: the OpenCLIP architecture the checkpoint holds: "ViT-H-14" (HPS v2's), another name hpsv2's
+            bundled OpenCLIP knows, or the path of an OpenCLIP model-config .json (registered with the package's
+            own `add_model_config`; the tests use a tiny one).
         checkpoint: a local HPS checkpoint file (.pt with a "state_dict"), a directory holding it, or a hub repo id
             (default xswu/HPSv2) from which HPS_v2.1_compressed.pt / HPS_v2_compressed.pt is taken.
         device, dtype, batch_size: as for the CLIP rewards; on CUDA the fp32 model runs under fp16 autocast by
@@ -47,15 +93,25 @@ class HpsV2Reward(LazyModelReward):
 
     name = "hpsv2"
 
-    def __init__(self, version: str, checkpoint: str, device: str, dtype: str, batch_size: int):
+    def __init__(self, version: str, checkpoint: str, device: str, dtype: str, batch_size: int,
+                 architecture: str = "ViT-H-14"):
         require_package("hpsv2", "hpsv2", "hpsv2")
+        vocab = package_dir("hpsv2") / "src" / "open_clip" / "bpe_simple_vocab_16e6.txt.gz"
+        if not vocab.is_file():  # hpsv2 1.2.0's wheel ships without it; its tokenizer opens it at import
+            raise UserError(f"reward 'hpsv2': the hpsv2 package lacks {vocab} (its 1.2.0 wheel ships without it); "
+                            "copy open_clip/bpe_simple_vocab_16e6.txt.gz from open_clip_torch there (pip download "
+                            "--no-deps open-clip-torch; scripts/packaged_rewards_env.sh does it)")
         if importlib.util.find_spec("_tkinter") is None:  # hpsv2 1.2's open_clip/factory.py does `from turtle import`
             raise UserError("reward 'hpsv2': the hpsv2 package imports turtle, which needs Tk; install it "
                             "(apt-get install python3-tk) — see github.com/tgxs002/HPSv2/issues/48")
         if version not in HPS_FILES:
             raise UserError(f"hpsv2: version must be one of {sorted(HPS_FILES)}, got {version!r}")
+        if architecture.endswith(".json") and not Path(architecture).expanduser().is_file():
+            raise UserError(f"hpsv2: architecture {architecture} is not a file; give an OpenCLIP model name "
+                            "(ViT-H-14) or an OpenCLIP model-config .json")
         super().__init__(device, dtype, batch_size)
         self.version = version
+        self.architecture = architecture
         self.checkpoint = model_source(checkpoint, "hpsv2 checkpoint")
 
     def validate(self, prompts: list[str], metadata: list[dict]) -> None:
@@ -64,18 +120,26 @@ class HpsV2Reward(LazyModelReward):
 
     def _build(self, device, dtype):
         import torch
-        from hpsv2.src.open_clip import create_model_and_transforms, get_tokenizer
+
+        from gerl import torchvision_ops
+
+        torchvision_ops.install()  # a CUDA torchvision beside a CPU torch: its pure-Python transforms still import
+        from hpsv2.src.open_clip import add_model_config, create_model_and_transforms, get_tokenizer
 
         from rewards.clip_models import resolve_file
 
+        arch = self.architecture
+        if arch.endswith(".json"):
+            add_model_config(Path(arch).expanduser())
+            arch = Path(arch).stem
         # pretrained=None: the HPS checkpoint holds every weight, so the OpenCLIP base weights are not downloaded
         model, _, preprocess = create_model_and_transforms(
-            "ViT-H-14", None, precision="fp32", device="cpu", jit=False, output_dict=True, light_augmentation=True)
+            arch, None, precision="fp32", device="cpu", jit=False, output_dict=True, light_augmentation=True)
         path = resolve_file(self.checkpoint, HPS_FILES[self.version], "hpsv2 checkpoint")
         state = torch.load(path, map_location="cpu", weights_only=True)  # {"state_dict": ...}
         model.load_state_dict(state.get("state_dict", state))
         # fp32 weights under autocast, as hpsv2's own `precision="amp"`: the ViT-H LayerNorms are not cast to fp16
-        return model.to(device).eval().requires_grad_(False), preprocess, get_tokenizer("ViT-H-14"), device, dtype
+        return model.to(device).eval().requires_grad_(False), preprocess, get_tokenizer(arch), device, dtype
 
     def _score(self, images, prompts):
         import torch
@@ -102,6 +166,13 @@ class ImageRewardReward(LazyModelReward):
 
     def __init__(self, model: str, med_config: str, download_root: str, device: str):
         require_package("ImageReward", "imagereward", "imagereward")
+        if transformers_major() >= 5:
+            from importlib.metadata import version
+
+            raise UserError(f"reward 'imagereward': image-reward 1.5 does not run on transformers "
+                            f"{version('transformers')} (its BLIP tokenizer reads additional_special_tokens_ids, "
+                            "removed in transformers 5); run it where transformers<5 is installed "
+                            "(scripts/packaged_rewards_env.sh builds one)")
         super().__init__(device, "fp32", 1)
         self.model_id = model if model == "ImageReward-v1.0" else model_source(model, "imagereward model")
         self.med_config = med_config or None
@@ -126,6 +197,10 @@ class ImageRewardReward(LazyModelReward):
                             "model=/path/to/ImageReward.pt and med_config=/path/to/med_config.json")
 
     def _build(self, device, dtype):
+        from gerl import torchvision_ops
+
+        torchvision_ops.install()  # as for hpsv2: only torchvision's pure-Python transforms are used
+        restore_moved_transformers_helpers()
         import ImageReward as RM
 
         return RM.load(self.model_id, device=str(device), download_root=self.download_root,
@@ -150,9 +225,9 @@ class ImageRewardReward(LazyModelReward):
 
 @register("hpsv2")
 def hpsv2(version: str = "v2.1", checkpoint: str = HPS_REPO, device: str = "auto", dtype: str = "auto",
-          batch_size: int = 32) -> HpsV2Reward:
+          batch_size: int = 32, architecture: str = "ViT-H-14") -> HpsV2Reward:
     """HPS v2.x (needs `pip install 'gerl[hpsv2]'`); see `HpsV2Reward`."""
-    return HpsV2Reward(version, checkpoint, device, dtype, batch_size)
+    return HpsV2Reward(version, checkpoint, device, dtype, batch_size, architecture)
 
 
 @register("imagereward")

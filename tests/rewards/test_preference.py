@@ -345,14 +345,29 @@ def test_clip_rewards_default_to_fp32_even_on_cuda(name):
     assert resolve_dtype("auto", torch.device("cuda")) == torch.float16  # "auto" still means fp16 on a GPU
 
 
+def test_imagereward_on_transformers_5_stops_in_one_line(monkeypatch):
+    """gerl's venv has transformers 5, on which image-reward 1.5 cannot run; image-reward itself lives in the venv of
+    scripts/packaged_rewards_env.sh (test_packaged_run.py), so here its presence is stubbed, the version is real."""
+    import rewards.packaged as packaged
+
+    if packaged.transformers_major() < 5:
+        pytest.skip("transformers < 5 here")
+    monkeypatch.setattr(packaged, "require_package", lambda *a: None)
+    with pytest.raises(UserError) as err:
+        build_reward("imagereward", {})
+    assert "transformers<5" in str(err.value) and "\n" not in str(err.value)
+
+
 def test_imagereward_start_up_check_offline(tmp_path, monkeypatch):
-    """image-reward cannot be installed here (it needs torchvision, which has no CPU wheel for this torch), so the
-    package check is stubbed — the one mock in this file, at that edge; the start-up check itself is gerl's code."""
+    """image-reward is not installed in gerl's venv (it runs in scripts/packaged_rewards_env.sh's, with
+    transformers<5), so the package and version checks are stubbed — the mocks in this file, at that edge; the
+    start-up check itself is gerl's code."""
     import rewards.packaged as packaged
     from gerl.errors import UserError
     from huggingface_hub import constants
 
     monkeypatch.setattr(packaged, "require_package", lambda *a: None)
+    monkeypatch.setattr(packaged, "transformers_major", lambda: 4)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     reward = packaged.imagereward(download_root=str(tmp_path))
     with pytest.raises(UserError, match=r"ImageReward.pt, med_config.json not in .* HF_HUB_OFFLINE is set"):

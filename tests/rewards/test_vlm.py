@@ -1,8 +1,9 @@
 """VLM rewards against a real OpenAI-compatible server: `transformers serve` running a tiny random LLaVA on CPU.
 
 The random model answers with garbage bytes, so the OCR scores are low and the judge's replies carry no score:
-the tests check that such replies are counted, never crash and never become made-up scores. The in-process vLLM
-backend needs vLLM and a GPU; here only its not-installed error is checked.
+the tests check that such replies are counted, never crash and never become made-up scores. vLLM itself (its CPU
+build, over HTTP and in-process) runs in scripts/vllm_check.sh, `pytest -m vllm` (test_vllm_check.py): it needs a
+venv of its own, so here only the in-process backend's not-installed error is checked.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def test_settings_from_env_and_key_kept_out_of_repr_and_pickle(monkeypatch):
 
 
 def test_vllm_inprocess_backend():
-    """Only the not-installed error can be checked here: running vLLM needs its wheel and a GPU."""
+    """Only the not-installed error in gerl's venv; vLLM's CPU build runs it in test_vllm_check.py (`-m vllm`)."""
     import importlib.util
 
     kwargs = {"backend": "vllm_inprocess", "model": "Qwen/Qwen2.5-VL-7B-Instruct"}

@@ -1,11 +1,12 @@
 """A tiny random-init LLaVA, built offline, saved where `transformers serve` can load it (test helper).
 
-    python -m tests.rewards.tiny_llava OUT_DIR     # build and save
+    python -m tests.rewards.tiny_llava OUT_DIR [HEAD_DIM]     # build and save (head_dim 16 by default)
 
 The tokenizer is byte-level BPE with no merges (one token per byte) plus LLaVA's special tokens, built in code;
 the image processor is CLIP's PIL backend (no torchvision); the chat template is LLaVA-1.5's "USER: ... ASSISTANT:".
 The weights are random, so the model answers with garbage bytes, which is what the VLM-reward tests want: a real
-server returning replies no parser can read.
+server returning replies no parser can read. Both towers have 2 attention heads of `head_dim` channels: 16 keeps
+`transformers serve` fast; vLLM's CPU attention kernel rejects 16 and takes 64 (scripts/vllm_check.sh).
 """
 
 from __future__ import annotations
@@ -49,8 +50,9 @@ def build_tokenizer():
     return tok
 
 
-def build_tiny_llava(seed: int = 0):
-    """(model, processor): LlavaForConditionalGeneration with a 2-layer CLIP vision tower and a 2-layer Llama."""
+def build_tiny_llava(seed: int = 0, head_dim: int = 16):
+    """(model, processor): LlavaForConditionalGeneration with a 2-layer CLIP vision tower and a 2-layer Llama, each
+    with 2 heads of `head_dim` channels (hidden size 2 * head_dim)."""
     import torch
     from transformers import (
         CLIPImageProcessorPil,
@@ -62,9 +64,11 @@ def build_tiny_llava(seed: int = 0):
     )
 
     tok = build_tokenizer()
-    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                              image_size=IMAGE_SIZE, patch_size=PATCH_SIZE, projection_dim=32)
-    text = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    hidden = 2 * head_dim
+    vision = CLIPVisionConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+                              num_attention_heads=2, image_size=IMAGE_SIZE, patch_size=PATCH_SIZE,
+                              projection_dim=hidden)
+    text = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
                        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512,
                        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=tok.convert_tokens_to_ids("<image>"),
@@ -83,16 +87,33 @@ def build_tiny_llava(seed: int = 0):
     return model, processor
 
 
-def save_tiny_llava(path: str | Path, seed: int = 0) -> Path:
+def save_tiny_llava(path: str | Path, seed: int = 0, head_dim: int = 16) -> Path:
+    """Save model and processor; the weights in the llava-hf hub layout (see `to_hub_layout`)."""
     path = Path(path)
-    model, processor = build_tiny_llava(seed)
+    model, processor = build_tiny_llava(seed, head_dim)
     model.save_pretrained(path)
     processor.save_pretrained(path)
+    to_hub_layout(path / "model.safetensors")
     return path
 
 
+def to_hub_layout(file: Path) -> None:
+    """Rename the vision tower's weights to the layout of the llava-hf checkpoints on the hub.
+
+    transformers 5 saves `vision_tower.embeddings...`; the hub's checkpoints (and so vLLM's LLaVA loader) have
+    `vision_tower.vision_model.embeddings...`. transformers loads either layout.
+    """
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(file)
+    renamed = {("vision_tower.vision_model." + k[len("vision_tower."):]
+                if k.startswith("vision_tower.") and not k.startswith("vision_tower.vision_model.") else k): v
+               for k, v in state.items()}
+    save_file(renamed, file, metadata={"format": "pt"})
+
+
 if __name__ == "__main__":
-    print(save_tiny_llava(sys.argv[1]))
+    print(save_tiny_llava(sys.argv[1], head_dim=int(sys.argv[2]) if len(sys.argv) > 2 else 16))
 
 
 class ServedModel:
