@@ -37,6 +37,7 @@ HUB_IDS = {
     "black-forest-labs/FLUX.1-Kontext-dev": "flux.1-kontext-dev",
     "Qwen/Qwen-Image-Edit-2509": "qwen-image-edit-2509",
     "Tongyi-MAI/Z-Image-Turbo": "z-image-turbo",
+    "black-forest-labs/FLUX.2-klein-base-4B": "flux.2-klein-base-4b",
 }
 FIRST = ("transformer", "vae")  # listed first by `components`; the text encoders follow by name
 

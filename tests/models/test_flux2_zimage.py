@@ -167,3 +167,44 @@ def test_z_image_turbo_s_shipped_configs_count_its_published_sizes_and_plan_offl
     assert type(family_for(ModelConfig(path="Tongyi-MAI/Z-Image-Turbo"))) is ZImagePlan
     sched = arch.load_config("z-image-turbo", "scheduler")
     assert {k: sched[k] for k in ZIMAGE_SCHEDULER} == ZIMAGE_SCHEDULER
+
+
+def test_flux2_klein_base_4b_s_shipped_configs_count_its_published_sizes_and_plan_offline():
+    """assets/configs/flux.2-klein-base-4b: built on the meta device, each component has the size the Hub's file
+    listing gives in bf16 (transformer 7.75 GB: the card's "4B", text encoder 8.05 GB: Qwen3-4B, VAE 168 MB;
+    README names the sources), exactly as counted there; the layout is the one the family and the plan read (text
+    width 3 × Qwen3-4B's, deepest hidden state read 27 ≤ 36 layers, RoPE axes = the head width); the hub id names
+    the family offline, the recipe plans from the folder, and the scheduler has the tiny klein's keys."""
+    from gerl.config import ModelConfig, load_config
+    from gerl.models import arch
+    from gerl.models.family import family_for_path
+    from gerl.models.flux2 import TEXT_LAYERS, position_ids
+    from gerl.models.tiny_qwen3 import KLEIN_SCHEDULER
+    from gerl.plan.arch import architecture
+    from gerl.plan.family import family_for
+    from gerl.plan.qwen3 import Flux2KleinPlan
+    from tests.train.helpers import REPO
+
+    hub = "black-forest-labs/FLUX.2-klein-base-4B"
+    with torch.device("meta"):
+        built = arch.build(hub)
+    counts = arch.param_counts(built)
+    assert counts == {"transformer": 3_875_544_576, "vae": 84_046_115, "text_encoder": 4_022_468_096}
+    # bytes as the listing rounds them: to 10 MB (the text encoder's, a sum of rounded shards, 8.045 → 8.05), 1 MB
+    published_bf16 = {"transformer": (7.75e9, 0.01e9), "text_encoder": (8.05e9, 0.01e9), "vae": (0.168e9, 0.001e9)}
+    for c, (size, tol) in published_bf16.items():
+        assert 2 * counts[c] == pytest.approx(size, abs=tol), c
+    tf, te = arch.load_config(hub, "transformer"), arch.load_config(hub, "text_encoder")
+    assert tf["joint_attention_dim"] == len(TEXT_LAYERS) * te["hidden_size"]
+    assert max(TEXT_LAYERS) <= te["num_hidden_layers"]
+    assert sum(tf["axes_dims_rope"]) == tf["attention_head_dim"]
+    assert len(tf["axes_dims_rope"]) == position_ids(1, 1, "cpu").shape[1]  # (0, row, column, 0): four axes
+    assert tf["in_channels"] == 4 * arch.load_config(hub, "vae")["latent_channels"]  # 2 × 2 patches
+    assert built["text_encoder"].lm_head.weight is built["text_encoder"].model.embed_tokens.weight  # tied
+    assert family_for_path(hub) is KLEIN
+    assert type(family_for(ModelConfig(path=hub))) is Flux2KleinPlan
+    sched = arch.load_config(hub, "scheduler")
+    assert {k: sched[k] for k in KLEIN_SCHEDULER} == KLEIN_SCHEDULER
+    cfg = load_config(str(REPO / "recipes" / "flow_grpo_flux2_klein_ocr.yaml"))
+    assert cfg.model.path == hub
+    assert architecture(hub).source.startswith("flux.2-klein-base-4b configs")
