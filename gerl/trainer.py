@@ -28,7 +28,7 @@ from gerl.errors import Interrupted, RunAborted, UserError
 from gerl.logging.describe import speed
 from gerl.logging.images import image_grid, save_grid_captions
 from gerl.logging.metrics import MetricsLogger, read_jsonl
-from gerl.logging.throughput import tracker_for
+from gerl.logging.throughput import reference_tokens, tracker_for
 from gerl.logging.timeline import Timeline, truncate_timeline
 from gerl.models.loader import lora_file, model_family
 from gerl.paths import check_writable
@@ -496,7 +496,8 @@ class Trainer:
                 self.logger.log_image("train/images", grid, step)
             spans = metrics.pop("_spans", [])
             metrics.update(self.throughput.update(metrics, text_len=full_batch.embeds.prompt.shape[1],
-                                                  trained_images=len(batch)))
+                                                  trained_images=len(batch),
+                                                  cond_tokens=reference_tokens(full_batch.embeds)))
             self.logger.log(step, metrics)
             if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 or step == cfg.max_steps:
                 with tl.span("trainer", "checkpoint", step):

@@ -21,6 +21,7 @@ import json
 import math
 import resource
 import sys
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,13 +145,22 @@ class StepFlopsModel:
     merged_rollout: bool = False  # model.merge_lora: the rollout runs merged weights, no adapter matmuls
     decode_flops_per_image: int = 0  # the VAE decode of one image (`vae_decode_flops`)
 
-    def step_flops(self, images: int, trained_images: int, trained_steps: int, text_len: int) -> int:
+    def step_flops(self, images: int, trained_images: int, trained_steps: int, text_len: int,
+                   cond_tokens: int = 0) -> int:
         return flow_grpo_step_flops(
             self.transformer_config, resolution=self.resolution, text_len=text_len, images=images,
             num_steps=self.num_steps, guidance_scale=self.guidance_scale, trained_steps=trained_steps,
             inner_epochs=self.inner_epochs, beta=self.beta, recompute_old_log_probs=self.recompute_old_log_probs,
             trained_images=trained_images, vae_scale_factor=self.vae_scale_factor, lora=self.lora,
-            merged_rollout=self.merged_rollout, decode_flops_per_image=self.decode_flops_per_image)["total"]
+            merged_rollout=self.merged_rollout, decode_flops_per_image=self.decode_flops_per_image,
+            cond_tokens=cond_tokens)["total"]
+
+
+def reference_tokens(embeds) -> list[int] | None:
+    """Each sample's reference-image tokens for an editing model ((h/2)·(w/2) of its `Embeds.cond_hw` grid), or None
+    for a text-to-image batch."""
+    hw = getattr(embeds, "cond_hw", None)
+    return None if hw is None else [(h // 2) * (w // 2) for h, w in hw.tolist()]
 
 
 class ThroughputTracker:
@@ -196,10 +206,13 @@ class ThroughputTracker:
             return self.reached
         return None
 
-    def update(self, row: Mapping, text_len: int | None = None, trained_images: int | None = None) -> dict:
+    def update(self, row: Mapping, text_len: int | None = None, trained_images: int | None = None,
+               cond_tokens: list[int] | None = None) -> dict:
         """The keys to merge into `row`, which holds the step's images, step_s, trained_steps_per_sample (when an
         update ran) and validate_s / val_reward_mean on validation steps. text_len: joint-attention text tokens
-        of the batch (embeds.prompt.shape[1]); trained_images: samples trained on (after dropped rewards)."""
+        of the batch (embeds.prompt.shape[1]); trained_images: samples trained on (after dropped rewards);
+        cond_tokens: an editing model's reference tokens, one per generated image (`reference_tokens`): the step's
+        FLOPs are each size's share of the batch at that size (the trained images taken in the same shares)."""
         out: dict = {"devices": self.devices}
         if self.device is not None:
             out["device_type"] = getattr(self.device, "type", str(self.device))
@@ -217,7 +230,10 @@ class ThroughputTracker:
             flops = None
             if self.flops is not None and images and text_len:
                 trained = images if trained_images is None else trained_images
-                flops = self.flops.step_flops(images, trained, int(row.get("trained_steps_per_sample") or 0), text_len)
+                steps = int(row.get("trained_steps_per_sample") or 0)
+                sizes = Counter(cond_tokens or [0])
+                flops = sum(n / sum(sizes.values()) * self.flops.step_flops(images, trained, steps, text_len, k)
+                            for k, n in sizes.items())
             out["mfu"] = mfu(flops, step_s, self.devices, self.peak_tflops) if flops else None
         if "peak_mem_gib" not in row:  # an engine whose roles run elsewhere reports their peak itself
             out["peak_mem_gib"] = peak_memory_gib(self.device)
@@ -227,7 +243,8 @@ class ThroughputTracker:
 @dataclass
 class ModelConfigs:
     """The configs the FLOPs model reads: the transformer's, the VAE's (a dict, or the loaded VAE module), the VAE's
-    pixels per latent side, and the model family's name."""
+    pixels per latent side, and the model family's name (gerl.models.family: FLUX.1-Kontext's is its own, though its
+    transformer is FLUX.1's class; its LoRA targets differ)."""
 
     transformer: dict
     vae: object
@@ -247,18 +264,17 @@ def vae_scale_factor(vae_config) -> int:
 def model_configs(model_path: str, pipe=None) -> ModelConfigs | None:
     """The FLOPs model's configs from a loaded pipeline, else from model_path's transformer/ and vae/ config.json (a
     local directory or the local Hugging Face cache; nothing is downloaded). None when neither is available (e.g.
-    model.path=tiny without a pipeline), the transformer is of a family gerl does not count, or the model edits images
-    (its reference tokens are not counted yet)."""
+    model.path=tiny without a pipeline) or the transformer is of a class the FLOPs model does not count."""
     from gerl.logging.flops import family_of_config
+    from gerl.models.family import family_of
 
-    if _conditioned(model_path, pipe):  # the reference image's tokens are not in the FLOPs model yet: no mfu
-        return None
     if pipe is not None and getattr(pipe, "vae", None) is not None:
         t = dict(pipe.transformer.config, _class_name=type(pipe.transformer).__name__)
         try:
-            return ModelConfigs(t, pipe.vae, vae_scale_factor(pipe.vae.config), family_of_config(t))
-        except ValueError:  # a family the FLOPs model does not count (FLUX.2-klein, Z-Image): no mfu
+            family_of_config(t)
+        except ValueError:  # a transformer the FLOPs model does not count: no mfu
             return None
+        return ModelConfigs(t, pipe.vae, vae_scale_factor(pipe.vae.config), family_of(pipe).name)
     if model_path in TINY_MODELS:  # built in code, no configs on disk (and no ~4 s diffusers import to find that out)
         return None
     local = Path(model_path)
@@ -273,22 +289,21 @@ def model_configs(model_path: str, pipe=None) -> ModelConfigs | None:
         except (OSError, ValueError):
             return None
     try:
-        return ModelConfigs(t, v, vae_scale_factor(v), family_of_config(t))
+        return ModelConfigs(t, v, vae_scale_factor(v), _family_name(model_path, family_of_config(t)))
     except (ValueError, KeyError, TypeError):
         return None
 
 
-def _conditioned(model_path: str, pipe) -> bool:
-    """Whether the model edits images (FLUX.1-Kontext, Qwen-Image-Edit-Plus): its transformer also reads the
-    reference image's tokens, which the FLOPs model does not count."""
-    from gerl.models.family import family_of
+def _family_name(model_path: str, builder: str) -> str:
+    """The model family of model_path (its model_index.json names it: FLUX.1-Kontext's transformer is FLUX.1's class),
+    else the FLOPs model's builder for its transformer class, which is the text-to-image family's name."""
     from gerl.models.loader import model_family
 
     try:
-        family = family_of(pipe) if pipe is not None else model_family(model_path)
-    except Exception:  # noqa: BLE001 — not a family gerl knows: the FLOPs model decides what it counts
-        return False
-    return bool(family is not None and family.conditioned)
+        family = model_family(model_path)
+    except Exception:  # noqa: BLE001 — not a family gerl knows: the transformer's class decides
+        return builder
+    return builder if family is None else family.name
 
 
 def model_config_for(model_path: str, pipe=None) -> tuple[dict, int] | None:

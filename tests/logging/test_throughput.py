@@ -234,15 +234,19 @@ def test_model_config_for_reads_a_directory_as_diffusers_does(tiny_pipe, tiny_di
     assert model_config_for("tiny") is None and model_config_for(str(tmp_path)) is None
 
 
-@pytest.mark.parametrize("path", ["tiny", "tiny-flux", "tiny-qwenimage"])
+@pytest.mark.parametrize("path", ["tiny", "tiny-flux", "tiny-qwenimage", "tiny-flux2-klein", "tiny-zimage",
+                                  "tiny-flux-kontext", "tiny-qwenimage-edit"])
 def test_every_family_logs_mfu(path):
-    """The trainer's tracker counts FLUX.1's and Qwen-Image's steps as SD3's (they logged mfu null before): the
-    step's model FLOPs — LoRA training, the unmerged adapter in the rollout, one VAE decode per image — over the
-    step's seconds and the peak."""
+    """The trainer's tracker counts every family's steps (FLUX.1 and Qwen-Image logged mfu null before, then
+    FLUX.2-klein, Z-Image and the editing families): the step's model FLOPs — LoRA training on the family's own
+    targets (FLUX.1-Kontext's include proj_mlp), the unmerged adapter in the rollout, one VAE decode per image, an
+    editing model's reference tokens — over the step's seconds and the peak. A batch of two reference sizes counts
+    each at its share."""
     from gerl.config import load_config
     from gerl.logging.flops import Lora
-    from gerl.logging.throughput import tracker_for, vae_decode_flops
+    from gerl.logging.throughput import reference_tokens, tracker_for, vae_decode_flops
     from gerl.models.family import TINY_MODELS, families
+    from gerl.sampling.loop import Embeds
 
     family = families()[TINY_MODELS[path][0]]
     pipe = family.build_tiny(0, TINY_MODELS[path][1])
@@ -253,10 +257,21 @@ def test_every_family_logs_mfu(path):
     latent = family.latent_shape(pipe, cfg.model.resolution)
     assert flops.decode_flops_per_image == vae_decode_flops(pipe.vae, family, latent) > 0
     row = {"step": 1, "images": 16, "step_s": 2.0, "trained_steps_per_sample": 3}
-    expected = flow_grpo_step_flops(
-        dict(pipe.transformer.config, _class_name=type(pipe.transformer).__name__), resolution=cfg.model.resolution,
-        text_len=8, images=16, num_steps=cfg.sampling.num_steps, guidance_scale=cfg.sampling.guidance_scale,
-        trained_steps=3, inner_epochs=cfg.train.inner_epochs, beta=cfg.train.beta, vae_scale_factor=flops.vae_scale_factor,
-        recompute_old_log_probs=cfg.train.recompute_old_log_probs, lora=flops.lora,
-        merged_rollout=cfg.model.merge_lora, decode_flops_per_image=flops.decode_flops_per_image)["total"]
-    assert tracker.update(row, text_len=8)["mfu"] == pytest.approx(expected / (2.0 * 1e9))
+    hw = torch.tensor([[8, 8]] * 12 + [[8, 12]] * 4) if family.conditioned else None  # 16 and 24 reference tokens
+    refs = reference_tokens(Embeds(torch.zeros(16, 8, 4), None, cond_hw=hw))
+    assert refs == (None if hw is None else [16] * 12 + [24] * 4)
+
+    def expected(cond_tokens):
+        return flow_grpo_step_flops(
+            dict(pipe.transformer.config, _class_name=type(pipe.transformer).__name__),
+            resolution=cfg.model.resolution, text_len=8, images=16, num_steps=cfg.sampling.num_steps,
+            guidance_scale=cfg.sampling.guidance_scale, trained_steps=3, inner_epochs=cfg.train.inner_epochs,
+            beta=cfg.train.beta, vae_scale_factor=flops.vae_scale_factor,
+            recompute_old_log_probs=cfg.train.recompute_old_log_probs, lora=flops.lora,
+            merged_rollout=cfg.model.merge_lora, decode_flops_per_image=flops.decode_flops_per_image,
+            cond_tokens=cond_tokens)["total"]
+
+    want = 0.75 * expected(16) + 0.25 * expected(24) if family.conditioned else expected(0)
+    assert tracker.update(row, text_len=8, cond_tokens=refs)["mfu"] == pytest.approx(want / (2.0 * 1e9))
+    if family.conditioned:  # the reference's tokens are a real share of the work
+        assert want > 1.1 * expected(0)

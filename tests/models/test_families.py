@@ -219,19 +219,22 @@ def test_the_import_guard_resolves_every_class_a_shipped_model_names_for_each_fa
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {}
 
 
-def test_editing_families_log_no_mfu_rather_than_a_wrong_one():
-    """The FLOPs model (gerl/logging/flops.py) counts a transformer's image tokens, not an editing model's reference
-    tokens (as many again at the same size): FLUX.1-Kontext and Qwen-Image-Edit-Plus get no FLOPs model (mfu null)
-    rather than one that undercounts by half, though their transformers are FLUX.1's and Qwen-Image's classes; and a
-    transformer class gerl does not count is refused by its name, not taken for FLUX.1 by a key it shares."""
+def test_every_family_has_a_flops_model_of_its_own():
+    """The FLOPs model (gerl/logging/flops.py) counts every family, the editing ones with their reference tokens
+    (tests/logging/test_flops.py holds each to torch's FlopCounterMode): FLUX.1-Kontext's and Qwen-Image-Edit-Plus's
+    transformers are FLUX.1's and Qwen-Image's classes, but the tracker keeps their own family (Kontext's LoRA targets
+    add proj_mlp); a transformer class the FLOPs model does not know is refused by its name, not taken for FLUX.1 by a
+    key it shares, and a family's config without its class is told by its own keys."""
     from gerl.logging.flops import family_of_config
     from gerl.logging.throughput import model_configs
 
-    for name in ("tiny-flux-kontext", "tiny-qwenimage-edit"):
-        assert model_configs(name, load_pipeline(name)) is None
-    assert model_configs("tiny-flux", load_pipeline("tiny-flux")).family == "flux"
-    with pytest.raises(ValueError, match="no FLOPs model .* Flux2Transformer2DModel"):
-        family_of_config({"_class_name": "Flux2Transformer2DModel", "num_single_layers": 20})
+    for name, family in (("tiny-flux-kontext", "flux_kontext"), ("tiny-qwenimage-edit", "qwenimage_edit"),
+                         ("tiny-flux", "flux"), ("tiny-flux2-klein", "flux2"), ("tiny-zimage", "zimage")):
+        assert model_configs(name, load_pipeline(name)).family == family
+    with pytest.raises(ValueError, match="no FLOPs model .* Flux2KVTransformer"):
+        family_of_config({"_class_name": "Flux2KVTransformer", "num_single_layers": 20})
+    assert family_of_config({"num_single_layers": 20, "timestep_guidance_channels": 256}) == "flux2"
+    assert family_of_config({"n_layers": 30, "cap_feat_dim": 2560}) == "zimage"
 
 
 def test_the_editing_models_configs_ship_and_plan_offline():
