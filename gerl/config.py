@@ -195,6 +195,7 @@ class EngineConfig:
     weight_sync: Literal["auto", "object_store", "broadcast"] = "auto"  # auto: object store for LoRA, bucketed broadcast for full fine-tuning
     sync_bucket_mb: int = 256  # bucket size of the broadcast weight sync
     ray_address: str = ""  # "" = start a local Ray; "auto" or host:port = join an existing cluster (ray start --head)
+    env: dict[str, Any] = field(default_factory=dict)  # environment variables set in every host's process before it starts (Ray's runtime_env; the local engine and torchrun: this process), e.g. {NCCL_SOCKET_IFNAME: eth0, NCCL_IB_HCA: mlx5, NCCL_DEBUG: WARN}: NCCL reads them where the process group starts, on each node. Values are strings (numbers are written as they read)
     max_rollout_restarts: int = 3  # a dead rollout worker is replaced this many times before the run fails
     setup_timeout_s: float = 900.0  # a Ray host that has not loaded its model within this many seconds stops the run with its name and the likely cause
     fsdp: bool = False  # shard the actor ranks' transformer with torch FSDP2 (fully_shard per block, then the root): each of the engine.actor_workers ranks holds 1/N of the weights, gradients and AdamW state (fp32 masters, computing in model.dtype); for full fine-tuning that does not fit one GPU, or a LoRA over a base that does not. false = every actor rank holds the whole model (replicas, gradients averaged by DDP). docs/architecture.md, "Data parallel layer"
@@ -783,6 +784,13 @@ def _relations(cfg: Config) -> list[str]:
     if g.fsdp and cfg.model.compile:
         e.append("model.compile=true with engine.fsdp=true is not supported yet (FSDP2's per-block hooks around the "
                  "compiled blocks are untested here); drop one of them")
+    import re
+
+    bad = [k for k, v in g.env.items() if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(k))
+           or not isinstance(v, (str, int, float, bool)) or isinstance(v, bool)]
+    if bad:
+        e.append(f"engine.env: {', '.join(map(str, bad))}: each entry is NAME: value, a variable name (letters, digits, _) "
+                 "and a string or number, e.g. engine.env={NCCL_SOCKET_IFNAME: eth0}")
     if g.rehearse and g.device == "cpu":
         e.append("engine.rehearse=true rehearses a GPU layout on CPU; it needs engine.device=cuda (or auto), "
                  "as the GPU launchers set it")
