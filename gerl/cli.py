@@ -50,7 +50,10 @@ def cmd_train(args) -> int:
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, old_term)
-    print(f"gerl: run written to {run_dir}  (metrics.jsonl, tensorboard/, samples/, checkpoints/)")
+    from gerl.engine.launcher import rank
+
+    if rank() == 0:  # torchrun: the process that wrote it
+        print(f"gerl: run written to {run_dir}  (metrics.jsonl, tensorboard/, samples/, checkpoints/)")
     return 0
 
 

@@ -760,8 +760,13 @@ def _relations(cfg: Config) -> list[str]:
     if cfg.model.resolution % 16:
         e.append(f"model.resolution={cfg.model.resolution} must be a multiple of 16")
     g = cfg.engine
-    if g.kind == "local" and (g.actor_workers > 1 or g.rollout_workers > 1 or not g.hybrid or g.schedule != "sync"):
-        e.append("engine.kind=local runs one colocated worker with schedule=sync; set engine.kind=ray for more "
+    from gerl.engine.launcher import world
+
+    launched = world()  # torchrun / accelerate launch: N processes, each one colocated host (gerl/engine/launcher.py)
+    if g.kind == "local" and (not g.hybrid or g.schedule != "sync" or g.actor_workers != g.rollout_workers
+                              or g.actor_workers not in (1, launched)):
+        e.append("engine.kind=local runs one colocated worker per process with schedule=sync (several with torchrun: "
+                 f"actor_workers = rollout_workers = its process count, here {launched}); set engine.kind=ray for more "
                  "workers, hybrid=false or schedule=async")
     elif g.hybrid and g.schedule != "sync":
         e.append(f"engine.schedule={g.schedule} needs engine.hybrid=false (a colocated rollout cannot generate while "
