@@ -39,6 +39,7 @@ class ModelConfig:
     lora_init: Literal["default", "gaussian"] = "default"  # a fresh adapter's A: peft's default (Kaiming-uniform) or "gaussian" (N(0, 1/r): NFT's, AWM's and GeRL's); B starts at 0 either way, so the policy starts as the base
     init_lora: str = ""  # a directory or .safetensors of a LoRA to start from ("" = fresh adapter)
     text_cache_size: int = 4096  # prompts whose text embeddings are kept (LRU); text encoders never re-run for these
+    text_cache: str = ""  # a directory of every prompt's embeddings written once by `gerl prepare CONFIG` (memory-mapped: one copy in a node's page cache for all its hosts); rollout hosts then load no text encoder (T5-XXL 9.5 GB, Qwen2.5-VL-7B 16.6 GB in bf16; logged as text_encoders_freed_gib). Refused in one line when the prompt files, the model, model.dtype or max_sequence_length changed since. "" = encode on the fly (gerl/models/text_cache.py)
     tiny_seed: int = 0  # seed of the randomly initialised tiny model (model.path = tiny)
     gradient_checkpointing: bool = False  # recompute each transformer block's activations in the backward pass: SD3.5-M's training activations at 512² micro-batch 8 drop from 23.8 to 1.8 GiB (28.5 → 6.5 GiB with the fp16 weights) for ~1/3 more training compute (`gerl plan` shows both)
     tf32: bool = True  # TF32 tensor cores for fp32 matmuls on Ampere+ GPUs (Flow-GRPO's allow_tf32); no effect on CPU

@@ -84,6 +84,10 @@ def prepare(cfg: Config) -> Prepared:
     if cfg.model.compile and family is not None and family.compile_refusal:
         raise UserError(f"model.compile=true cannot keep {family.title}'s shapes fixed: {family.compile_refusal}; set "
                         "model.compile=false")
+    if cfg.model.text_cache:  # a stale or missing prompt-embedding cache, in one line, before any model loads
+        from gerl.models.text_cache import check
+
+        check(cfg)
     if cfg.model.init_lora:
         lora_file(cfg.model.init_lora)
     if cfg.log.wandb:

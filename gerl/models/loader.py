@@ -57,6 +57,7 @@ WEIGHTED_COMPONENTS = ("transformer", "vae", "text_encoder", "text_encoder_2", "
 # The actor trains the transformer and reads nothing else: its batches carry the text embeddings and latents, so
 # the VAE and the text encoders (10.55 GiB for SD3.5-M in fp16) stay off its device.
 ROLE_COMPONENTS = {"actor": ("transformer",), "rollout": WEIGHTED_COMPONENTS}
+TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")  # left unloaded with model.text_cache
 
 
 def model_family(path: str, local_files_only: bool = True):
@@ -229,44 +230,58 @@ def read_lora_metadata(path: str | Path) -> dict:
     return {k.split(".", 1)[1] if k.startswith("transformer.") else k: v for k, v in raw.items()}
 
 
+@torch.no_grad()
+def encode_rows(family, pipe, prompts: list[str], max_sequence_length: int) -> list[Embeds]:
+    """Each prompt's embeddings (a batch of 1, on the CPU), encoded on its own: batched, the encoders' matrix
+    products round differently with the batch's shape, so a prompt's row would depend on which prompts shared its
+    micro-batch (the tiny SD3's and Qwen-Image's do, in the last bits) — and the rows `gerl prepare` writes could not
+    equal the ones a run encodes. A masked row (a family whose prompts have their own lengths) keeps only its real
+    tokens. Kept in host memory: one SD3.5 prompt is 333 × 4096 values, so thousands of them do not belong on a GPU."""
+    rows = []
+    for p in prompts:
+        row = family.encode_prompts(pipe, [p], max_sequence_length).to("cpu")
+        if row.mask is not None:
+            n = int(row.mask.sum())
+            row = Embeds(row.prompt[:, :n], row.pooled, mask=row.mask[:, :n])
+        rows.append(row)
+    return rows
+
+
 class TextEmbedder:
     """Prompt → text embeddings (the model family's `encode_prompts`), with an LRU cache so the text encoders run
-    once per distinct prompt."""
+    once per distinct prompt; with `disk` (model.text_cache, gerl/models/text_cache.py) the rows come from the
+    memory-mapped cache `gerl prepare` wrote, and the pipeline needs no text encoder."""
 
-    def __init__(self, pipe, max_sequence_length: int, cache_size: int = 4096):
+    def __init__(self, pipe, max_sequence_length: int, cache_size: int = 4096, disk=None):
         from gerl.models.family import family_of
 
         self.pipe, self.family = pipe, family_of(pipe)
         self.max_sequence_length = max_sequence_length
         self.cache_size = cache_size
+        self.disk = disk
         self._cache: OrderedDict[str, Embeds] = OrderedDict()  # prompt → its row (batch of 1), on the CPU
         self.hits = self.misses = 0
 
-    @torch.no_grad()
     def _encode(self, prompts: list[str]) -> list[Embeds]:
-        e = self.family.encode_prompts(self.pipe, prompts, self.max_sequence_length)
-        # Kept in host memory: one SD3.5 prompt is 333 × 4096 values, so thousands of them do not belong on a GPU.
-        # A masked row (a family whose prompts have their own lengths) keeps only its real tokens.
-        rows = []
-        for i in range(len(prompts)):
-            row = e.index(slice(i, i + 1)).to("cpu")
-            if row.mask is not None:
-                n = int(row.mask.sum())
-                row = Embeds(row.prompt[:, :n], row.pooled, mask=row.mask[:, :n])
-            rows.append(row)
-        return rows
+        if self.disk is not None:  # every prompt of the run's files is on disk; these are not
+            raise UserError(f"{len(prompts)} prompt(s) are not in model.text_cache (e.g. {prompts[0][:80]!r}) and this "
+                            "host loaded no text encoder: rerun `gerl prepare` with the prompt files this run uses")
+        return encode_rows(self.family, self.pipe, prompts, self.max_sequence_length)
 
     def _lookup(self, prompts: list[str]) -> Embeds:
-        missing = list(dict.fromkeys(p for p in prompts if p not in self._cache))
+        disk = self.disk if self.disk is not None else ()
+        missing = list(dict.fromkeys(p for p in prompts if p not in self._cache and p not in disk))
         self.misses += len(missing)
         self.hits += len(prompts) - len(missing)
         for p, e in zip(missing, self._encode(missing) if missing else []):
             self._cache[p] = e
         for p in prompts:
-            self._cache.move_to_end(p)
+            if p in self._cache:
+                self._cache.move_to_end(p)
         while len(self._cache) > max(self.cache_size, len(set(prompts))):
             self._cache.popitem(last=False)
-        return Embeds.cat([self._cache[p] for p in prompts]).to(self.pipe.transformer.device)
+        rows = [self.disk.row(p) if p in disk else self._cache[p] for p in prompts]
+        return Embeds.cat(rows).to(self.pipe.transformer.device)
 
     def __call__(self, prompts: list[str], with_negative: bool = False) -> Embeds:
         """Embeddings of `prompts`; with_negative adds the family's negative prompt's as the unconditional branch."""
