@@ -98,16 +98,21 @@ def cache_prompts(cfg, family) -> list[str]:
     return list(dict.fromkeys(texts + [family.negative_prompt]))
 
 
-def check(cfg) -> dict:
-    """The index of `model.text_cache` when it was written for this config; otherwise a UserError in one line."""
-    d = Path(cfg.model.text_cache)
+def read_index(d: Path) -> dict:
     redo = "run `gerl prepare` with this config to write it (or set model.text_cache= to encode prompts on the fly)"
     try:
-        index = json.loads((d / INDEX).read_text())
+        return json.loads((d / INDEX).read_text())
     except FileNotFoundError:
         raise UserError(f"model.text_cache={d} holds no prompt embeddings ({INDEX} is missing): {redo}") from None
     except (OSError, ValueError) as e:
         raise UserError(f"model.text_cache={d}: {INDEX} is unreadable ({str(e)[:120]}): {redo}") from None
+
+
+def check(cfg) -> dict:
+    """The index of `model.text_cache` when it was written for this config; otherwise a UserError in one line. The
+    driver checks (trainer.prepare), before any host starts; the hosts only read the index."""
+    d = Path(cfg.model.text_cache)
+    index = read_index(d)
     mine, theirs = fingerprint(cfg), index.get("fingerprint", {})
     changed = [k for k in mine if mine[k] != theirs.get(k)]
     if changed:
@@ -158,8 +163,8 @@ class DiskTextCache:
     """The rows of a written cache, memory-mapped: `row(prompt)` is an Embeds of batch 1 (a view, no copy) or None."""
 
     def __init__(self, cfg):
-        index = check(cfg)
-        d = Path(cfg.model.text_cache)
+        d = Path(cfg.model.text_cache)  # checked against the config by the driver (check); a host may lack the prompts
+        index = read_index(d)
         dtype = getattr(torch, index["dtype"])
         self.encoder_bytes = int(index["encoder_bytes"])
         self.masked = bool(index["masked"])
