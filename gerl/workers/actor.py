@@ -106,6 +106,10 @@ class ActorWorker:
         needs_ref = train.beta > 0 or (self.algo.name == "dgpo" and self.algo.dgpo_reference == "base")
         if needs_ref and not model.lora:
             self.ref = copy.deepcopy(transformer).requires_grad_(False).eval()
+            if model.compile:  # a deep copy drops the compiled blocks (Module.__getstate__): compile its own
+                from gerl.models.compile import compile_transformer
+
+                compile_transformer(self.ref, variants=None)
         # the data-parallel layer: replicas or shards over the actor ranks (gerl/engine/parallel.py), before any
         # tensor below is taken from the parameters it replaces
         self.dp = parallel(transformer, self.ref) if parallel is not None else None
@@ -129,16 +133,6 @@ class ActorWorker:
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(train.lr_schedule, train.warmup_steps, total))
         self.ema = EMA(self.params, train.ema_decay, into=self.model_params) if train.ema_decay > 0 else None
-        # Reference policy for the KL term (and dgpo's base reference): the adapter switched off (LoRA) or a frozen
-        # copy (full fine-tuning).
-        self.ref = None
-        needs_ref = train.beta > 0 or (self.algo.name == "dgpo" and self.algo.dgpo_reference == "base")
-        if needs_ref and not model.lora:
-            self.ref = copy.deepcopy(transformer).requires_grad_(False).eval()
-            if model.compile:  # a deep copy drops the compiled blocks (Module.__getstate__): compile its own
-                from gerl.models.compile import compile_transformer
-
-                compile_transformer(self.ref, variants=None)
         self.version = 0  # training steps (update calls) completed: the policy version handed to rollouts
         self.optimizer_steps = 0  # optimizer steps taken (the anchor's decay schedule counts these)
         # nft/awm/dgpo: noise levels trained per sample
