@@ -60,7 +60,9 @@ def cmd_train(args) -> int:
 def cmd_prepare(args) -> int:
     from gerl.config import load_config
 
-    cfg = load_config(args.config, args.overrides)  # the config `gerl train` will run with
+    from gerl.engine.rehearse import adapt
+
+    cfg = adapt(load_config(args.config, args.overrides))  # the config `gerl train` will run (a rehearsal's too)
     quiet_libraries()
     from gerl.models.text_cache import prepare
 

@@ -200,7 +200,7 @@ def plan_for_config(cfg: Config, awm_old_forward: bool | None = None, card: str 
     fam = family_for(m)
     roles = role_names(cfg)
     dtype = DTYPES[m.dtype]
-    parts = tuple(dict.fromkeys(c for r in roles for c in fam.components("rollout" if r == "hybrid" else r)))
+    parts = tuple(dict.fromkeys(c for r in roles for c in _loaded(cfg, fam, r)))
     modules = {c: fam.build(c, vae_dtype(cfg) if c == "vae" else dtype) for c in parts}
     tr = modules["transformer"]
     if m.lora:
@@ -228,7 +228,7 @@ def plan_for_config(cfg: Config, awm_old_forward: bool | None = None, card: str 
     for r in roles:
         kinds = {"actor": ("actor",), "rollout": ("rollout",), "hybrid": ("actor", "rollout")}[r]
         plan_phases = measurer.phases(work.role_phases(r, cfg, modules, w, state, old_forward))
-        comps = fam.components("rollout" if r == "hybrid" else r)
+        comps = _loaded(cfg, fam, r)
         if r != "rollout":  # the data-parallel layer's gathers on top of the phases that run it (gerl/plan/shard.py)
             shard.add_gather(plan_phases, *shard.gather(tr, cfg, dtype))
         own = {"transformer": residents.get("transformer@actor", residents["transformer"])} if r != "rollout" else {}
@@ -249,6 +249,14 @@ def plan_for_config(cfg: Config, awm_old_forward: bool | None = None, card: str 
         awm_old_forward=old_forward if cfg.algo.name == "awm" else None,
         gradient_checkpointing=m.gradient_checkpointing, roles=role_plans, notes=_notes(cfg, roles, state),
         elapsed_s=round(time.perf_counter() - t0, 2), fit=fit)
+
+
+def _loaded(cfg: Config, fam, role: str) -> tuple[str, ...]:
+    """The weighted parts a host of `role` loads: with model.text_cache (gerl prepare) no text encoder."""
+    from gerl.models.loader import TEXT_ENCODERS
+
+    comps = fam.components("rollout" if role == "hybrid" else role)
+    return tuple(c for c in comps if c not in TEXT_ENCODERS) if cfg.model.text_cache else comps
 
 
 def _training_state(cfg: Config, trained: list, graded: list, mode, training: bool) -> State:

@@ -247,9 +247,10 @@ def _rollout_phases(cfg: Config, role: str, modules: dict, w: phases.Work, st: S
     fam = w.fam
     guide = "CFG, " if fam.uses_negative(smp.guidance_scale) else ""
     recorded = recorded_steps(cfg)
+    # model.text_cache: the embeddings come from disk (gerl prepare), no encoder runs on the host
     out = [(f"text encoders{' (anchor swapped in)' if gen else ''}", SAMPLE,
-            lambda b: phases.text_encode(encoders, b, w, gen), None),
-           (f"denoising forward ({guide}no grad{held})", SAMPLE,
+            lambda b: phases.text_encode(encoders, b, w, gen), None)] if encoders else []
+    out += [(f"denoising forward ({guide}no grad{held})", SAMPLE,
             lambda b: phases.denoise_step(tr, b, w, smp.guidance_scale, recorded, gen), None),
            (f"VAE decode ({vae_dt}{held})", SAMPLE,
             lambda b: phases.vae_decode(vae, b, w, smp.guidance_scale, recorded, gen), None)]
@@ -263,7 +264,7 @@ def _rollout_phases(cfg: Config, role: str, modules: dict, w: phases.Work, st: S
                     lambda b: phases.denoise_step(tr, b, w, smp.eval_guidance_scale, 0, val), None))
     if val:
         out += [("validation text encoders (EMA swapped in)", SAMPLE,
-                 lambda b: phases.text_encode(encoders, b, w, val), None),
-                (f"validation VAE decode ({vae_dt}, EMA swapped in)", SAMPLE,
+                 lambda b: phases.text_encode(encoders, b, w, val), None)] if encoders else []
+        out += [(f"validation VAE decode ({vae_dt}, EMA swapped in)", SAMPLE,
                  lambda b: phases.vae_decode(vae, b, w, smp.eval_guidance_scale, 0, val), None)]
     return out

@@ -75,3 +75,13 @@ def test_a_stale_cache_is_refused_in_one_line(tmp_path):
                                         "`gerl prepare`") as e:
         text_cache.check(cfg)
     assert "\n" not in str(e.value)
+
+
+def test_gerl_plan_leaves_the_text_encoders_out_when_the_cache_serves_the_prompts(tmp_path):
+    from gerl.plan.family import family_for
+    from gerl.plan.planner import _loaded
+
+    cfg = _config(tmp_path, "tiny")
+    fam = family_for(cfg.model)
+    assert _loaded(cfg, fam, "hybrid") == ("transformer", "vae")
+    assert set(_loaded(_config(tmp_path, "tiny", "model.text_cache="), fam, "rollout")) >= {"text_encoder_3", "vae"}
