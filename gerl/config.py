@@ -181,9 +181,9 @@ class LogConfig:
 
 @dataclass
 class EngineConfig:
-    kind: Literal["local", "ray"] = "local"  # local: one process; ray: roles as Ray actors on resource pools
+    kind: Literal["local", "ray"] = "local"  # local: one process (torchrun / accelerate launch: one colocated host per process, gerl/engine/launcher.py); ray: roles as Ray actors on resource pools, one placement group with a bundle per host
     hybrid: bool = True  # colocate actor and rollout on the same devices sharing one model (no weight sync); false = decoupled pools
-    actor_workers: int = 1  # N: data-parallel training ranks (devices) in the actor pool
+    actor_workers: int = 1  # N: data-parallel training ranks (devices) in the actor pool; under torchrun / accelerate launch it is their process count (left at 1, it is set to that)
     rollout_workers: int = 1  # M: generation workers (devices) in the rollout pool; a step's groups are split across them
     device: Literal["auto", "cpu", "cuda"] = "auto"  # what each worker's share is: a GPU each, or cpus_per_worker cores
     cpus_per_worker: int = 0  # CPU cores per host: device=cpu pins this many (torch threads = this); device=cuda reserves them beside the GPU for the host's reward threads and data work. 0 = auto: 1 on cpu, 4 on cuda
@@ -199,7 +199,7 @@ class EngineConfig:
     env: dict[str, Any] = field(default_factory=dict)  # environment variables set in every host's process before it starts (Ray's runtime_env; the local engine and torchrun: this process), e.g. {NCCL_SOCKET_IFNAME: eth0, NCCL_IB_HCA: mlx5, NCCL_DEBUG: WARN}: NCCL reads them where the process group starts, on each node. Values are strings (numbers are written as they read)
     max_rollout_restarts: int = 3  # a dead rollout worker is replaced this many times before the run fails
     setup_timeout_s: float = 900.0  # a Ray host that has not loaded its model within this many seconds stops the run with its name and the likely cause
-    fsdp: bool = False  # shard the actor ranks' transformer with torch FSDP2 (fully_shard per block, then the root): each of the engine.actor_workers ranks holds 1/N of the weights, gradients and AdamW state (fp32 masters, computing in model.dtype); for full fine-tuning that does not fit one GPU, or a LoRA over a base that does not. false = every actor rank holds the whole model (replicas, gradients averaged by DDP). docs/architecture.md, "Data parallel layer"
+    fsdp: bool = False  # shard the actor ranks' transformer with torch FSDP2 (fully_shard per block, then the root): each of the engine.actor_workers ranks holds 1/N of the weights, gradients and AdamW state (fp32 masters, computing in model.dtype); for full fine-tuning that does not fit one GPU, or a LoRA over a base that does not (`gerl plan` counts the shards and the per-block gathers, and proposes it when nothing smaller fits). false = every actor rank holds the whole model (replicas, gradients averaged by DDP). docs/architecture.md, "Data parallel layer"
     rehearse: bool = False  # run this config's GPU topology on CPU: Ray declares the GPUs it needs (one CUDA_VISIBLE_DEVICES per host), process groups use the GPU backend map with NCCL replaced by gloo, the model in model.dtype on the CPU (docs/architecture.md, "Rehearsing a GPU launcher")
 
 
