@@ -3,7 +3,7 @@
 # Flow-GRPO-Fast on FLUX.1-dev fully fine-tuned, OCR reward (recipes/flux_full_fsdp_ocr.yaml: Flow-Factory's FLUX.1
 # full settings), on 8 GPUs colocated (hybrid), sync, the transformer sharded over them with FSDP2 (engine.fsdp=true:
 # each GPU holds 1/8 of the fp32 weights, gradients and AdamW moments). 48 prompts × 16 images = 96 per GPU (12
-# micro-batches of 8); two optimizer steps per step. gerl plan: 42.6 GiB per GPU on an 80 GB card.
+# micro-batches of 8); two optimizer steps per step. gerl plan, 80 GB card: 33.6 GiB per GPU with the text cache (42.7 without).
 # First, once: the prompts' T5/CLIP embeddings into DATASET_DIR/text_cache, so that no host loads the text encoders
 # (8.9 GiB each; set TEXT_CACHE=0 to encode on the fly instead).
 # DATASET_DIR holds train.txt and test.txt (Flow-GRPO's dataset/ocr layout). Rehearse the layout on CPU first:
