@@ -1,4 +1,4 @@
-"""`gerl train | plan | sample | eval | score | report`. Bad input → one line on stderr and exit code 2 (a traceback only with --debug)."""
+"""`gerl train | prepare | plan | sample | eval | score | report`. Bad input → one line on stderr and exit code 2 (a traceback only with --debug)."""
 
 from __future__ import annotations
 
@@ -50,7 +50,25 @@ def cmd_train(args) -> int:
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, old_term)
-    print(f"gerl: run written to {run_dir}  (metrics.jsonl, tensorboard/, samples/, checkpoints/)")
+    from gerl.engine.launcher import rank
+
+    if rank() == 0:  # torchrun: the process that wrote it
+        print(f"gerl: run written to {run_dir}  (metrics.jsonl, tensorboard/, samples/, checkpoints/)")
+    return 0
+
+
+def cmd_prepare(args) -> int:
+    from gerl.config import load_config
+
+    from gerl.engine.rehearse import adapt
+
+    cfg = adapt(load_config(args.config, args.overrides))  # the config `gerl train` will run (a rehearsal's too)
+    quiet_libraries()
+    from gerl.models.text_cache import prepare
+
+    d, n, gib = prepare(cfg)
+    print(f"gerl: {n} prompts' text embeddings written to {d}; runs with model.text_cache={d} load no text encoder "
+          f"on their rollout hosts ({gib:.3g} GiB of {cfg.model.dtype} weights)")
     return 0
 
 
@@ -485,6 +503,12 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     t.add_argument("--print-config", action="store_true",
                    help="print the fully resolved config as YAML and exit, writing nothing")
     t.set_defaults(fn=cmd_train)
+    pr = sub.add_parser("prepare", help="encode every training and validation prompt once into model.text_cache "
+                        "(memory-mapped), so that the run's rollout hosts load no text encoder")
+    pr.add_argument("config", metavar="CONFIG.yaml", help="the config the run will use")
+    pr.add_argument("overrides", nargs="*", default=[], metavar="key=value",
+                    help="optional dotted overrides, as for train, e.g. model.text_cache=data/text_cache")
+    pr.set_defaults(fn=cmd_prepare)
     pl = sub.add_parser("plan", help="predicted peak GPU memory per role, the cards it fits and the largest "
                         "micro-batches, from a config alone (no GPU, no weights; docs/plan.md)")
     pl.add_argument("config", metavar="CONFIG.yaml", help="a recipe such as recipes/gerl_sd3_fast_ocr.yaml")

@@ -40,6 +40,7 @@ class ModelConfig:
     init_lora: str = ""  # a directory or .safetensors of a LoRA to start from ("" = fresh adapter)
     text_cache_size: int = 4096  # prompts whose text embeddings are kept (LRU); text encoders never re-run for these
     condition_resolution: int = 0  # image editing (FLUX.1-Kontext, Qwen-Image-Edit-Plus): the conditioning image is resized to this side's area (N² pixels) at its own aspect before the VAE encodes it; 0 = the stock pipeline's size (Kontext's preferred ~1 MP resolutions, Qwen-Image-Edit-Plus's 1024²). flow_grpo's edit runs use 512. Ignored by text-to-image families
+    text_cache: str = ""  # a directory of every prompt's embeddings written once by `gerl prepare CONFIG` (memory-mapped: one copy in a node's page cache for all its hosts); rollout hosts then load no text encoder (T5-XXL 9.5 GB, Qwen2.5-VL-7B 16.6 GB in bf16; logged as text_encoders_freed_gib). Refused in one line when the prompt files, the model, model.dtype or max_sequence_length changed since. "" = encode on the fly (gerl/models/text_cache.py)
     tiny_seed: int = 0  # seed of the randomly initialised tiny model (model.path = tiny)
     gradient_checkpointing: bool = False  # recompute each transformer block's activations in the backward pass: SD3.5-M's training activations at 512² micro-batch 8 drop from 23.8 to 1.8 GiB (28.5 → 6.5 GiB with the fp16 weights) for ~1/3 more training compute (`gerl plan` shows both)
     tf32: bool = True  # TF32 tensor cores for fp32 matmuls on Ampere+ GPUs (Flow-GRPO's allow_tf32); no effect on CPU
@@ -181,9 +182,9 @@ class LogConfig:
 
 @dataclass
 class EngineConfig:
-    kind: Literal["local", "ray"] = "local"  # local: one process; ray: roles as Ray actors on resource pools
+    kind: Literal["local", "ray"] = "local"  # local: one process (torchrun / accelerate launch: one colocated host per process, gerl/engine/launcher.py); ray: roles as Ray actors on resource pools, one placement group with a bundle per host
     hybrid: bool = True  # colocate actor and rollout on the same devices sharing one model (no weight sync); false = decoupled pools
-    actor_workers: int = 1  # N: data-parallel training ranks (devices) in the actor pool
+    actor_workers: int = 1  # N: data-parallel training ranks (devices) in the actor pool; under torchrun / accelerate launch it is their process count (left at 1, it is set to that)
     rollout_workers: int = 1  # M: generation workers (devices) in the rollout pool; a step's groups are split across them
     device: Literal["auto", "cpu", "cuda"] = "auto"  # what each worker's share is: a GPU each, or cpus_per_worker cores
     cpus_per_worker: int = 0  # CPU cores per host: device=cpu pins this many (torch threads = this); device=cuda reserves them beside the GPU for the host's reward threads and data work. 0 = auto: 1 on cpu, 4 on cuda
@@ -196,9 +197,10 @@ class EngineConfig:
     weight_sync: Literal["auto", "object_store", "broadcast"] = "auto"  # auto: object store for LoRA, bucketed broadcast for full fine-tuning
     sync_bucket_mb: int = 256  # bucket size of the broadcast weight sync
     ray_address: str = ""  # "" = start a local Ray; "auto" or host:port = join an existing cluster (ray start --head)
+    env: dict[str, Any] = field(default_factory=dict)  # environment variables set in every host's process before it starts (Ray's runtime_env; the local engine and torchrun: this process), e.g. {NCCL_SOCKET_IFNAME: eth0, NCCL_IB_HCA: mlx5, NCCL_DEBUG: WARN}: NCCL reads them where the process group starts, on each node. Values are strings (numbers are written as they read)
     max_rollout_restarts: int = 3  # a dead rollout worker is replaced this many times before the run fails
     setup_timeout_s: float = 900.0  # a Ray host that has not loaded its model within this many seconds stops the run with its name and the likely cause
-    fsdp: bool = False  # shard the actor ranks' transformer with torch FSDP2 (fully_shard per block, then the root): each of the engine.actor_workers ranks holds 1/N of the weights, gradients and AdamW state (fp32 masters, computing in model.dtype); for full fine-tuning that does not fit one GPU, or a LoRA over a base that does not. false = every actor rank holds the whole model (replicas, gradients averaged by DDP). docs/architecture.md, "Data parallel layer"
+    fsdp: bool = False  # shard the actor ranks' transformer with torch FSDP2 (fully_shard per block, then the root): each of the engine.actor_workers ranks holds 1/N of the weights, gradients and AdamW state (fp32 masters, computing in model.dtype); for full fine-tuning that does not fit one GPU, or a LoRA over a base that does not (`gerl plan` counts the shards and the per-block gathers, and proposes it when nothing smaller fits). false = every actor rank holds the whole model (replicas, gradients averaged by DDP). docs/architecture.md, "Data parallel layer"
     rehearse: bool = False  # run this config's GPU topology on CPU: Ray declares the GPUs it needs (one CUDA_VISIBLE_DEVICES per host), process groups use the GPU backend map with NCCL replaced by gloo, the model in model.dtype on the CPU (docs/architecture.md, "Rehearsing a GPU launcher")
 
 
@@ -761,8 +763,13 @@ def _relations(cfg: Config) -> list[str]:
     if cfg.model.resolution % 16:
         e.append(f"model.resolution={cfg.model.resolution} must be a multiple of 16")
     g = cfg.engine
-    if g.kind == "local" and (g.actor_workers > 1 or g.rollout_workers > 1 or not g.hybrid or g.schedule != "sync"):
-        e.append("engine.kind=local runs one colocated worker with schedule=sync; set engine.kind=ray for more "
+    from gerl.engine.launcher import world
+
+    launched = world()  # torchrun / accelerate launch: N processes, each one colocated host (gerl/engine/launcher.py)
+    if g.kind == "local" and (not g.hybrid or g.schedule != "sync" or g.actor_workers != g.rollout_workers
+                              or g.actor_workers not in (1, launched)):
+        e.append("engine.kind=local runs one colocated worker per process with schedule=sync (several with torchrun: "
+                 f"actor_workers = rollout_workers = its process count, here {launched}); set engine.kind=ray for more "
                  "workers, hybrid=false or schedule=async")
     elif g.hybrid and g.schedule != "sync":
         e.append(f"engine.schedule={g.schedule} needs engine.hybrid=false (a colocated rollout cannot generate while "
@@ -785,6 +792,13 @@ def _relations(cfg: Config) -> list[str]:
     if g.fsdp and cfg.model.compile:
         e.append("model.compile=true with engine.fsdp=true is not supported yet (FSDP2's per-block hooks around the "
                  "compiled blocks are untested here); drop one of them")
+    import re
+
+    bad = [k for k, v in g.env.items() if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(k))
+           or not isinstance(v, (str, int, float, bool)) or isinstance(v, bool)]
+    if bad:
+        e.append(f"engine.env: {', '.join(map(str, bad))}: each entry is NAME: value, a variable name (letters, digits, _) "
+                 "and a string or number, e.g. engine.env={NCCL_SOCKET_IFNAME: eth0}")
     if g.rehearse and g.device == "cpu":
         e.append("engine.rehearse=true rehearses a GPU layout on CPU; it needs engine.device=cuda (or auto), "
                  "as the GPU launchers set it")

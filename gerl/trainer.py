@@ -55,8 +55,11 @@ def _metrics_rows(run_dir: Path) -> int:
 
 
 def _check_output_dir(cfg: Config) -> None:
+    from gerl.engine.launcher import rank
+
     out = Path(cfg.output_dir)
-    check_writable(out, f"output_dir {out}")
+    if rank() == 0:  # the process that writes the run directory (torchrun: the others only read it)
+        check_writable(out, f"output_dir {out}")
     if out.is_dir() and _metrics_rows(out) and cfg.resume == "false" and not cfg.overwrite:
         raise UserError(f"output_dir {out} already holds a run; pass resume=true to continue it, overwrite=true to "
                         "start over, or choose another output_dir")
@@ -86,6 +89,10 @@ def prepare(cfg: Config) -> Prepared:
     if cfg.model.compile and family is not None and family.compile_refusal:
         raise UserError(f"model.compile=true cannot keep {family.title}'s shapes fixed: {family.compile_refusal}; set "
                         "model.compile=false")
+    if cfg.model.text_cache:  # a stale or missing prompt-embedding cache, in one line, before any model loads
+        from gerl.models.text_cache import check
+
+        check(cfg)
     if cfg.model.init_lora:
         lora_file(cfg.model.init_lora)
     if cfg.log.wandb:
@@ -217,10 +224,27 @@ class Trainer:
         self._no_reward_steps = 0  # consecutive steps in which no sample got a valid reward
         self._stop_signal: int | None = None  # SIGINT/SIGTERM received: stop at the next step boundary
         self._first_update_checked = False  # the first update's gradient is checked (first_update_warning)
+        self._checkpointed: int | None = None  # the step last checkpointed by this run
         if cfg.engine.schedule == "stream":  # rollouts pull groups from one prompt stream (gerl/engine/stream.py)
             stream_state = state.get("stream") if prep.resume_from is not None else None
             self.sampler_after[(stream_state or {}).get("first_draw", 1) - 1] = self.sampler.state_dict()
             self.engine.open_stream(self.next_prompts, stream_state, cfg.max_steps - self.start_step)
+        # torchrun / accelerate launch: every process runs this trainer on the same batch, rank 0 alone writes
+        self.writer = getattr(self.engine, "rank", 0) == 0
+        if self.writer:
+            self._open_run_dir(prep)
+        else:
+            self.timeline, self.logger = Timeline(None), _NoLogger()
+        # Throughput, GPU-hours and MFU; a resumed run replays the metrics.jsonl rows the logger kept.
+        self.throughput = tracker_for(cfg, getattr(self.engine, "devices", 1), prep.pipe,
+                                      getattr(self.engine, "device_name", None))
+        if self.writer:
+            self.throughput.restore(self.run_dir / "metrics.jsonl")
+        self._step_clock = time.perf_counter()  # run_step measures step_s from here or from the previous step end
+
+    def _open_run_dir(self, prep: Prepared) -> None:
+        """Create the run directory: config.yaml, placement.json, samples/, timeline and metrics logs."""
+        cfg = self.cfg
         existed = self.run_dir.exists()
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -244,11 +268,6 @@ class Trainer:
             if not existed:
                 shutil.rmtree(self.run_dir, ignore_errors=True)
             raise
-        # Throughput, GPU-hours and MFU; a resumed run replays the metrics.jsonl rows the logger kept.
-        self.throughput = tracker_for(cfg, getattr(self.engine, "devices", 1), prep.pipe,
-                                      getattr(self.engine, "device_name", None))
-        self.throughput.restore(self.run_dir / "metrics.jsonl")
-        self._step_clock = time.perf_counter()  # run_step measures step_s from here or from the previous step end
 
     # ------------------------------------------------------------------ stages
     def next_prompts(self, step: int) -> tuple[list[str], list[dict], torch.Tensor]:
@@ -296,7 +315,7 @@ class Trainer:
         """Print the reward's own error text on stderr, once per distinct message (all are counted in metrics)."""
         for msg, n in errors.items():
             self._last_error = msg
-            if msg in self._shown_errors:
+            if msg in self._shown_errors or not self.writer:
                 continue
             self._shown_errors.add(msg)
             if len(self._shown_errors) > 10:
@@ -346,16 +365,17 @@ class Trainer:
         metadata = [dict(p.metadata) for p in self.test_prompts for _ in range(k)]
         images, res = self.engine.validate(prompts, metadata)
         self.show_reward_errors(res.errors, f"validation at step {step}")
-        grid = image_grid(images, cols=k if k > 1 else None)  # a row per prompt when it has several images
-        grid.save(self.run_dir / "samples" / f"val_step_{step:06d}.png")
-        save_grid_captions(self.run_dir / "samples" / f"val_step_{step:06d}.json", prompts,
-                           res.raw_total if res.raw_total is not None else res.total)
-        self.logger.log_image("validation/images", grid, step)
+        if self.writer:
+            grid = image_grid(images, cols=k if k > 1 else None)  # a row per prompt when it has several images
+            grid.save(self.run_dir / "samples" / f"val_step_{step:06d}.png")
+            save_grid_captions(self.run_dir / "samples" / f"val_step_{step:06d}.json", prompts,
+                               res.raw_total if res.raw_total is not None else res.total)
+            self.logger.log_image("validation/images", grid, step)
         m = {"val_reward_mean": _finite_mean(res.total), "val_reward_raw_mean": _finite_mean(res.raw_total),
              "val_num_prompts": len(self.test_prompts), "val_images": len(prompts), "val_scored_prompts": int(torch.isfinite(res.total).sum())}
         for name, comp in res.components.items():
             m[f"val_reward/{name}_raw"] = _finite_mean(comp)
-        if math.isnan(m["val_reward_mean"]):
+        if math.isnan(m["val_reward_mean"]) and self.writer:
             print(f"gerl: validation at step {step}: no prompt got a valid reward; val_reward_mean is logged as null",
                   file=sys.stderr)
         m["validate_s"] = time.perf_counter() - t0
@@ -368,6 +388,7 @@ class Trainer:
             stream = self.engine.stream.state_dict()
             extra.update(sampler=self.sampler_after[stream["first_draw"] - 1], stream=stream)
         self.engine.save(self.run_dir, step, extra, self.cfg.checkpoint.keep_last)
+        self._checkpointed = step
 
     # ------------------------------------------------------------------ the loop
     def _on_signal(self, signum, frame) -> None:
@@ -387,7 +408,7 @@ class Trainer:
 
     def _stop_here(self, step: int) -> None:
         """Called at a step boundary after a signal: make sure this step is checkpointed, then raise Interrupted."""
-        if step > self.start_step and not (self.run_dir / "checkpoints" / f"step_{step:06d}").is_dir():
+        if step > self.start_step and self._checkpointed != step:  # decided alike on every rank (torchrun)
             with self.timeline.span("trainer", "checkpoint", step):
                 self.checkpoint(step)
         ckpt = self.run_dir / "checkpoints" / f"step_{step:06d}" if step > self.start_step else None
@@ -402,8 +423,9 @@ class Trainer:
 
     def fit(self) -> Path:
         cfg = self.cfg
-        print("gerl: " + ", ".join(f"{k}={v}" for k, v in self.sizes.items()), file=sys.stderr)
-        print(f"gerl: transformer: {speed(to_dict(cfg))}", file=sys.stderr)
+        if self.writer:
+            print("gerl: " + ", ".join(f"{k}={v}" for k, v in self.sizes.items()), file=sys.stderr)
+            print(f"gerl: transformer: {speed(to_dict(cfg))}", file=sys.stderr)
         if self.planner is not None:  # a GPU run: what each role should peak at, before it does
             plan = self.planner.result()
             if plan is not None:
@@ -416,7 +438,7 @@ class Trainer:
                       file=sys.stderr)
         progress = None
         # tqdm's carriage-return stream is unreadable in a log file: off a terminal, print plain lines instead.
-        if cfg.log.progress_bar and sys.stderr.isatty():
+        if cfg.log.progress_bar and sys.stderr.isatty() and self.writer:
             from tqdm import tqdm
 
             progress = tqdm(total=cfg.max_steps, initial=self.start_step, desc="train", file=sys.stderr, dynamic_ncols=True)
@@ -444,10 +466,11 @@ class Trainer:
                     progress.update(1)
                     progress.set_postfix(reward=f"{metrics['reward_mean']:.4g}", s=f"{metrics['step_s']:.2f}",
                                          lag=metrics["policy_lag"])
-                elif cfg.log.print_every and (step % cfg.log.print_every == 0 or step == cfg.max_steps):
+                elif cfg.log.print_every and (step % cfg.log.print_every == 0 or step == cfg.max_steps) and self.writer:
                     self._print_line(step, metrics)
-                if self._stop_signal is not None and step < cfg.max_steps:
-                    self._stop_here(step)
+                stop = self._stop_signal is not None
+                if step < cfg.max_steps and getattr(self.engine, "any_rank", lambda f: f)(stop):
+                    self._stop_here(step)  # torchrun: all processes at this step, whichever saw the signal
                 self.check_reward_streak(step)
         finally:
             for sig, old in handlers.items():
@@ -490,7 +513,7 @@ class Trainer:
             if every >= 0 and (step == cfg.max_steps or every > 0 and step % every == 0):
                 with tl.span("trainer", "validate", step):
                     metrics.update(self.validate(step))
-            if cfg.log.images_every and step % cfg.log.images_every == 0:
+            if cfg.log.images_every and step % cfg.log.images_every == 0 and self.writer:
                 grid = image_grid(full_batch.images[: 4 * cfg.data.group_size], cols=cfg.data.group_size)
                 grid.save(self.run_dir / "samples" / f"train_step_{step:06d}.png")
                 self.logger.log_image("train/images", grid, step)
@@ -542,7 +565,7 @@ class Trainer:
             if not self._first_update_checked:
                 self._first_update_checked = True
                 warning = first_update_warning(m, self.cfg)
-                if warning:
+                if warning and self.writer:
                     print(f"gerl: WARNING: {warning}", file=sys.stderr, flush=True)
         m["train_s"] = time.perf_counter() - t0
         m.update(self.counters)
@@ -578,9 +601,25 @@ def _finite_mean(t: torch.Tensor | None) -> float:
     return float(t[ok].double().mean()) if ok.any() else math.nan
 
 
+class _NoLogger:
+    """The metrics logger of a process that does not write the run directory (torchrun: ranks > 0)."""
+
+    def log(self, step: int, metrics: dict) -> None:
+        pass
+
+    def log_image(self, *args) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def train(cfg: Config) -> Path:
+    from gerl.engine import launcher
     from gerl.engine.rehearse import adapt
 
-    cfg = adapt(cfg)  # engine.rehearse: the GPU layout on CPU (says what it changed); otherwise cfg itself
-    planner = MemoryPlanner(cfg) if is_gpu_run(cfg) else None  # printed when training starts
+    cfg = adapt(launcher.adapt(cfg))  # torchrun's N processes; engine.rehearse: the GPU layout on CPU (each says so)
+    launcher.start(cfg)  # engine.env; under torchrun: this process's GPU and the launcher's process group
+    gpu = is_gpu_run(cfg) and launcher.rank() == 0
+    planner = MemoryPlanner(cfg) if gpu else None  # printed when training starts
     return Trainer(cfg, prepare(cfg), planner).fit()

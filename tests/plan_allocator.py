@@ -50,3 +50,13 @@ def existing_bytes(module) -> int:
     """Bytes of a module's distinct parameters and buffers (what exists before a measured program starts)."""
     unique = {id(t): t for t in [*module.parameters(), *module.buffers()]}
     return sum(t.numel() * t.element_size() for t in unique.values())
+
+
+def net_bytes(program) -> int:
+    """Bytes the allocator holds after `program()` beyond what it held before: its [memory] events summed
+    (allocations positive, frees negative)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        program()
+    return sum(e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")

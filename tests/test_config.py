@@ -292,3 +292,10 @@ def test_every_recipe_validates_without_importing_torch():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == "[]", f"validating a config imported {r.stdout.strip()}"
+
+
+def test_engine_env_takes_variable_names_and_plain_values():
+    cfg = load_config(None, ["engine.env={NCCL_SOCKET_IFNAME: eth0, NCCL_IB_DISABLE: 1}"])
+    assert cfg.engine.env == {"NCCL_SOCKET_IFNAME": "eth0", "NCCL_IB_DISABLE": 1}
+    with pytest.raises(UserError, match=r"engine.env: NCCL-IB, NCCL_X: each entry is NAME: value"):
+        load_config(None, ["engine.env={NCCL-IB: 1, NCCL_X: [a]}"])

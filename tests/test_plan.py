@@ -214,11 +214,10 @@ def test_full_fine_tuning_trains_every_weight_in_its_dtype():
     lines = {i.name: i.gib for i in actor.resident}
     weights = lines["transformer weights (bf16)"]
     assert not any("LoRA" in n for n in lines) and [i.name for i in actor.resident][0] == "transformer weights (bf16)"
-    # bf16 weights train through fp32 masters (gerl/workers/masters.py): masters, their gradients, AdamW's state
-    masters = sum(p.numel() * 4 for p in _tiny_transformer_params()) / 2**30
-    assert lines["fp32 master weights (bf16 weights train through them)"] == pytest.approx(masters)
-    assert lines["gradients (fp32 masters of the full fine-tuning)"] == pytest.approx(masters)
-    assert lines["AdamW exp_avg + exp_avg_sq (fp32 masters of the full fine-tuning)"] == pytest.approx(2 * masters)
+    trained = sum(p.numel() * 4 for p in _tiny_transformer_params()) / 2**30  # fp32: the masters' (masters.py)
+    assert lines["fp32 master weights (AdamW steps them; the model's weights are cast from them)"] == pytest.approx(trained)
+    assert lines["gradients (fp32 masters, full fine-tuning)"] == pytest.approx(trained)
+    assert lines["AdamW exp_avg + exp_avg_sq (fp32 masters, full fine-tuning)"] == pytest.approx(2 * trained)
     assert lines["frozen reference copy (train.beta=0.1)"] == weights
     assert not any("gradients" in i.name for i in rollout.resident)
 

@@ -107,9 +107,8 @@ def _batch(cfg) -> RolloutBatch:
 
 
 # (algo, dtype, LoRA, checkpointing, the phase that makes the actor's peak) — the last shows what each case checks:
-# full fine-tuning in bf16 puts nft's and awm's swap backup at the peak.
-# bf16 full fine-tuning steps fp32 masters (gerl/workers/masters.py): on this small model the AdamW step over them
-# (foreach temporaries of the fp32 state) is the peak
+# full fine-tuning in bf16 steps fp32 masters (gerl/workers/masters.py), whose foreach AdamW step (a copy of the
+# fp32 state's size) is the tiny model's peak; the anchor forward's backup is checked on its own below.
 CASES = [("flow_grpo", "fp16", True, False, "training"), ("flow_grpo", "bf16", False, False, "clip + AdamW"),
          ("nft", "fp16", True, False, "training"), ("nft", "bf16", False, False, "clip + AdamW"),
          ("awm", "fp16", True, True, "training"), ("awm", "bf16", False, True, "clip + AdamW")]
@@ -238,7 +237,7 @@ def test_the_swap_backup_is_held_where_the_weights_are_swapped():
     """nft, full fine-tuning of the tiny model in bf16: the hybrid host generates with the anchor swapped into the
     shared transformer and validates the EMA the same way (engine.kind=local), so each of those phases exceeds the
     decoupled rollout's same phase by a backup of the trained tensors — by hand: each tensor's bytes rounded up to
-    the 512-byte blocks the count uses; the actor holds the anchor, one more copy of them."""
+    the 512-byte blocks the count uses; the actor holds the anchor, an fp32 copy of them (of their masters)."""
     from gerl.models.tiny import build_tiny_sd3
 
     over = ["algo.name=nft", "model.lora=false", "model.dtype=bf16", "train.ema_decay=0.9", "validation.every=5"]
@@ -248,7 +247,7 @@ def test_the_swap_backup_is_held_where_the_weights_are_swapped():
     masters = sum(p.numel() * 4 for p in params)  # the anchor copies the fp32 masters of the bf16 weights
     backup = sum(-(-p.numel() * 2 // 512) * 512 for p in params)  # the swap backs up the model's bf16 weights
     anchor = [i for i in split.role("actor").resident if i.name.startswith("anchor")]
-    assert [i.gib * 2**30 for i in anchor] == [masters]
+    assert [i.gib * 2**30 for i in anchor] == [masters]  # fp32
     rollout = {p.name.split(" (")[0]: p.gib for p in split.role("rollout").phases}
     swapped = {p.name: p.gib for p in local.phases if "swapped in" in p.name and p.knob == "sampling.micro_batch_size"}
     assert len(swapped) == 6  # text encoders, denoising, VAE decode: under the anchor, and in validation the EMA

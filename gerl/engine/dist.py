@@ -46,10 +46,11 @@ def backend_map(gpu: bool, rehearse: bool = False, shared_gpu: bool = False) -> 
     return GPU_BACKENDS
 
 
-def init_process_group(backends: str, addr: str, rank: int, world: int, timeout_s: float = 1800.0) -> None:
+def init_process_group(backends: str, addr: str | None, rank: int, world: int, timeout_s: float = 1800.0) -> None:
+    """Join the default group at tcp://addr, or (addr None) where a launcher's MASTER_ADDR/MASTER_PORT say."""
     import torch.distributed as dist
 
-    dist.init_process_group(backends, init_method=f"tcp://{addr}", rank=rank, world_size=world,
+    dist.init_process_group(backends, init_method=f"tcp://{addr}" if addr else "env://", rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout_s))
 
 

@@ -139,7 +139,8 @@ class Host:
                 "device_name": torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu",
                 "dtype": self.cfg.model.dtype, "backends": backends if self.world > 1 else None,
                 "rank": self.rank if self.world > 1 else None, "torch_threads": torch.get_num_threads(),
-                "nice": os.nice(0), **determinism.state()}
+                "nice": os.nice(0), "env": {k: os.environ.get(k) for k in self.cfg.engine.env},  # what engine.env set
+                **determinism.state()}
 
     def pid(self) -> int:
         return os.getpid()

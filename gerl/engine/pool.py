@@ -12,8 +12,11 @@ instance (each run makes its own). On a GPU the reset frees the cached memory an
 a host's peak memory is its process's peak resident size, which no reset can lower, so a kept host reports the
 largest of its runs.
 
-A kept host still holds the Ray resources it asked for; so whatever starts on this Ray through gerl first evicts the
-kept hosts it does not reuse (`take`, `evict`), and a pooled run asks for exactly the resources a fresh one would.
+A kept host still holds the Ray resources it asked for, inside its run's placement group (gerl/engine/placement.py),
+which is kept with it: the next run of the same key takes both, each host back in its own bundle, and starts fresh
+hosts in the bundles whose host was not kept. Whatever starts on this Ray through gerl first evicts the kept hosts it
+does not reuse and their placement group (`take`, `evict`), and a pooled run asks for exactly the resources a fresh
+one would.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from __future__ import annotations
 import contextlib
 
 _enabled = False
-_idle: dict[tuple, list] = {}  # key → idle host handles
+_idle: dict[tuple, tuple] = {}  # key → (placement group, {bundle index: idle host handle})
 
 
 def enable() -> None:
@@ -47,59 +50,75 @@ def kept():
         disable()
 
 
-def key(ray, cfg, options: dict, concurrency: bool) -> tuple | None:
+def key(ray, cfg, options: dict, concurrency: bool, hosts: int) -> tuple | None:
     """The pool a run's hosts come from and go back to (None: this run does not use the pool): the Ray cluster
-    (its node), the resources each host asks for, and whether hosts have the stream's concurrency groups."""
+    (its node), the resources each host asks for and the environment it gets (engine.env), whether hosts have the
+    stream's concurrency groups, and how many hosts the placement group holds."""
     if not _enabled or cfg.train.deterministic:
         return None
     node = ray.get_runtime_context().get_node_id()
-    return (node, tuple(sorted(options.items())), concurrency)
+    return (node, tuple(sorted((k, repr(v)) for k, v in options.items())), concurrency, hosts)
 
 
-def take(ray, pool_key: tuple | None, n: int) -> list:
-    """Up to n idle hosts of `pool_key`; every other idle host is killed, so its resources are free for this run."""
-    kept = _idle.pop(pool_key, []) if pool_key is not None else []
+def take(ray, pool_key: tuple | None) -> tuple:
+    """(placement group, {bundle: idle host}) kept under `pool_key`, or (None, {}); every other idle host is killed
+    and its placement group removed, so their resources are free for this run."""
+    unit = _idle.pop(pool_key, None) if pool_key is not None else None
     evict(ray)
-    _kill(ray, kept[n:])
-    return kept[:n]
+    return unit or (None, {})
 
 
-def give_back(ray, pool_key: tuple, hosts: list, timeout_s: float = 30.0) -> int:
-    """Reset each host (after its roles closed) and keep those whose reset answered; kill the rest. Returns how many
-    were kept."""
-    refs = []
-    for h in hosts:
+def give_back(ray, pool_key: tuple, pg, hosts: dict[int, object], timeout_s: float = 30.0) -> int:
+    """Reset each host (after its roles closed) and keep those whose reset answered, with the placement group they
+    live in; kill the rest. Returns how many were kept."""
+    refs = {}
+    for b, h in hosts.items():
         try:
-            refs.append(h.reset.remote())
+            refs[b] = h.reset.remote()
         except Exception:  # noqa: BLE001 — a dead handle
-            refs.append(None)
-    kept = []
-    for h, ref in zip(hosts, refs):
+            refs[b] = None
+    kept = {}
+    for b, h in hosts.items():
         try:
-            ok = ref is not None and ray.get(ref, timeout=timeout_s)
+            ok = refs[b] is not None and ray.get(refs[b], timeout=timeout_s)
         except Exception:  # noqa: BLE001 — died, or did not answer: never reused
             ok = False
         if ok:
-            kept.append(h)
+            kept[b] = h
         else:
             _kill(ray, [h])
-    if kept:
-        _idle.setdefault(pool_key, []).extend(kept)
+    if not kept:
+        _release(ray, pg)
+        return 0
+    if pool_key in _idle:  # one unit per key: an older one is let go
+        old_pg, old = _idle.pop(pool_key)
+        _kill(ray, list(old.values()))
+        _release(ray, old_pg)
+    _idle[pool_key] = (pg, kept)
     return len(kept)
 
 
 def evict(ray=None) -> None:
-    """Kill every idle host (a run about to start that does not reuse them, or Ray about to stop)."""
-    hosts = [h for hs in _idle.values() for h in hs]
+    """Kill every idle host and remove its placement group (a run about to start that does not reuse them, or Ray
+    about to stop)."""
+    units = list(_idle.values())
     _idle.clear()
     if ray is None:
         import ray
     if ray.is_initialized():
-        _kill(ray, hosts)
+        for pg, hosts in units:
+            _kill(ray, list(hosts.values()))
+            _release(ray, pg)
 
 
 def idle() -> int:
-    return sum(len(hs) for hs in _idle.values())
+    return sum(len(hs) for _, hs in _idle.values())
+
+
+def _release(ray, pg) -> None:
+    from gerl.engine.placement import release
+
+    release(ray, pg)
 
 
 def _kill(ray, hosts: list) -> None:

@@ -24,7 +24,7 @@ import torch
 
 from gerl.config import gpu_topology, host_cpus, weight_sync_mode
 from gerl.engine import dist as gdist
-from gerl.engine import pool, resources
+from gerl.engine import placement, pool, resources
 from gerl.engine.host import Host
 from gerl.errors import RunAborted, UserError
 from gerl.workers.batch import merge
@@ -106,7 +106,8 @@ class RayEngine:
         self.host_device = "cuda" if self.use_gpu and not g.rehearse else "cpu"
         c = host_cpus(cfg)
         req = resources.host_request(cfg)
-        self._opts = {"num_cpus": req["CPU"], **({"num_gpus": req["GPU"]} if "GPU" in req else {})}
+        self._opts = {"num_cpus": req["CPU"], **({"num_gpus": req["GPU"]} if "GPU" in req else {}),
+                      **placement.runtime_env(g.env)}  # engine.env: NCCL/IB variables in every host's process
         # a rehearsal runs every host on this machine's few cores: one torch thread each, not the declared CPUs
         threads = max(1, (os.cpu_count() or 1) // len(names)) if g.rehearse else None
         # stream: a host generates (default group, one call at a time) while other threads wait for the rewards
@@ -115,24 +116,32 @@ class RayEngine:
         self._host_cls = ray.remote(**groups)(Host) if groups else ray.remote(Host)
         self.stream = None
         self._spec: dict[int, tuple] = {}
-        # hosts a previous run on this Ray left idle, when the pool is on (gerl/engine/pool.py); the rest start fresh
-        self._pool_key = None if self._owns_ray else pool.key(ray, cfg, self._opts, bool(groups))
-        kept = pool.take(ray, self._pool_key, len(names)) if not self._owns_ray else []
+        # hosts a previous run on this Ray left idle with their placement group, when the pool is on
+        # (gerl/engine/pool.py); the bundles without a kept host get fresh ones
+        self._pool_key = None if self._owns_ray else pool.key(ray, cfg, self._opts, bool(groups), len(names))
+        self.pg, kept = pool.take(ray, self._pool_key) if not self._owns_ray else (None, {})
+        if self.pg is None:  # one bundle per host, reserved all at once (gerl/engine/placement.py)
+            self.pg = placement.reserve(ray, req, len(names), g.setup_timeout_s)
+        nodes = placement.bundle_nodes(self.pg)
+        # host i (actor ranks 0…N−1, then the rollouts) goes to bundle order[i]: ranks sorted by node
+        self._order = order = placement.node_sorted(nodes)
         reused: set[int] = set()  # indices of the hosts that are kept ones (placement.json's "reused_host")
 
         def spawn(i, roles, rank, world_size):
-            cores = None if self.use_gpu else list(range(i * c, (i + 1) * c))
+            b = order[i]
+            on_node = sum(nodes[order[j]] == nodes[b] for j in range(i))  # hosts before this one on its node
+            cores = None if self.use_gpu else list(range(on_node * c, (on_node + 1) * c))
             self._spec[i] = (cfg, roles, rank, world_size, n_actor, cores, sync_ranks if world_size > 1 else None,
                              names[i], threads)
-            if kept:
-                h = kept.pop()
+            if b in kept:
+                h = kept.pop(b)
                 try:
                     ray.get(h.reinit.remote(*self._spec[i]))  # milliseconds
                     reused.add(i)
                     return h
                 except ray.exceptions.RayError:  # a fresh host then raises the same in its own __init__, if any
                     ray.kill(h)
-            return self._host_cls.options(**self._opts).remote(*self._spec[i])
+            return self._host_cls.options(**self._opts, **placement.strategy(self.pg, b)).remote(*self._spec[i])
 
         if g.hybrid:
             self.actors = [spawn(i, ("actor", "rollout"), i, world) for i in range(n_actor)]
@@ -150,7 +159,7 @@ class RayEngine:
             raise UserError(f"a Ray worker failed to start ({str(e).strip().splitlines()[-1][:200]}); "
                             "run with --debug for the full error") from None
         for i, p in enumerate(self.placement):  # placement follows self.hosts, which follows the spawn index
-            p["reused_host"] = i in reused
+            p.update(reused_host=i in reused, bundle=order[i])
         self.device_name = self.placement[0]["device_name"]
         self._started = True  # hosts that never got placed or set up are not given back to the pool
         if g.rehearse:
@@ -237,7 +246,8 @@ class RayEngine:
             raise RunAborted(f"rollout worker {j} died; replacing it is supported with engine.hybrid=false and "
                              "engine.weight_sync=object_store (a broadcast group cannot take a new member)")
         idx = self.cfg.engine.actor_workers + j
-        self.rollouts[j] = self._host_cls.options(**self._opts).remote(*self._spec[idx])
+        self.rollouts[j] = self._host_cls.options(**self._opts, **placement.strategy(self.pg, self._order[idx])).remote(
+            *self._spec[idx])  # in the dead host's bundle, whose resources its death gave back
         self.ray.get(self.rollouts[j].setup.remote(None, self.backends, self.host_device))
         self.hosts = self.actors + self.rollouts
         self.ray.get(self.rollouts[j].load_weights.remote(self._actor_call("actor_weights"), self._version))
@@ -336,11 +346,14 @@ class RayEngine:
                           for h in self.hosts], timeout=30)
         except Exception:  # noqa: BLE001 — shutting down; a dead host has nothing left to close
             pass
+        pg = getattr(self, "pg", None)
         if getattr(self, "_pool_key", None) is not None and getattr(self, "_started", False):
-            pool.give_back(self.ray, self._pool_key, self.hosts)  # reset, kept for the next run on this Ray
+            # reset, kept with their placement group for the next run on this Ray
+            pool.give_back(self.ray, self._pool_key, pg, {self._order[i]: h for i, h in enumerate(self.hosts)})
         else:
             for h in self.hosts:
                 self.ray.kill(h)
-        self.hosts = []
+            placement.release(self.ray, pg)
+        self.hosts, self.pg = [], None
         if self._owns_ray and self.ray.is_initialized():
             self.ray.shutdown()

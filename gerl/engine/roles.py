@@ -21,7 +21,7 @@ from gerl.checkpoint import load_checkpoint, load_inflight_weights, save_checkpo
 from gerl.data.prompts import condition_images
 from gerl.config import Config, reward_components, trained_steps_per_sample, derived_sizes
 from gerl.models.loader import (
-    DTYPES, ROLE_COMPONENTS, TextEmbedder, add_lora, load_lora_into_pipeline, load_pipeline, resolve_device,
+    DTYPES, ROLE_COMPONENTS, TEXT_ENCODERS, TextEmbedder, add_lora, load_lora_into_pipeline, load_pipeline, resolve_device,
 )
 from gerl.models.attention import set_attention_backend
 from gerl.models.compile import compile_transformer, take_compile_metrics, variant_bound
@@ -56,6 +56,8 @@ def build_pipeline(cfg: Config, device: str | None = None, roles: tuple[str, ...
     """The pipeline with the configured adapter attached (fresh, or cfg.model.init_lora) and the speed levers
     applied, holding only the parts `roles` use: an actor alone loads the transformer and nothing else."""
     parts = tuple(dict.fromkeys(c for r in roles for c in ROLE_COMPONENTS[r]))
+    if cfg.model.text_cache:  # the prompts' embeddings are on disk (gerl prepare): no text encoder to load
+        parts = tuple(c for c in parts if c not in TEXT_ENCODERS)
     device = device or cfg.model.device
     set_matmul_precision(cfg, device)  # before loading: TF32 is a process-wide switch
     pipe = load_pipeline(cfg.model.path, cfg.model.dtype, device, cfg.model.tiny_seed, parts, cfg.model.vae_dtype)
@@ -125,8 +127,13 @@ class RolloutRole:
         self.cfg, self.rank = cfg, rank
         self.pipe = pipe if pipe is not None else build_pipeline(cfg, device, roles=("rollout",))
         apply_levers(self.pipe, cfg)  # a pipeline handed in (the local engine's, a test's) gets them too
+        disk = None
+        if cfg.model.text_cache:  # gerl/models/text_cache.py: rows memory-mapped, no text encoder on this host
+            from gerl.models.text_cache import DiskTextCache
+
+            disk = DiskTextCache(cfg)
         self.embedder = TextEmbedder(self.pipe, cfg.model.max_sequence_length, cfg.model.text_cache_size,
-                                     cfg.model.condition_resolution)
+                                     cfg.model.condition_resolution, disk)
         # nft/awm/dgpo learn from clean samples alone: the rollout samples a plain ODE and records no SDE step
         self.worker = RolloutWorker(self.pipe, self.embedder, cfg.sampling, cfg.model.resolution, cfg.seed,
                                     record_sde=cfg.algo.name == "flow_grpo",
@@ -165,6 +172,8 @@ class RolloutRole:
                                          between=self._load_staged)
         if self.cfg.model.compile:  # what compiled since the last report (validation's shapes included)
             batch.timings.update(take_compile_metrics("rollout"))
+        if self.embedder.disk is not None:  # the text encoders this host never loaded (model.text_cache)
+            batch.timings["text_encoders_freed_gib"] = self.embedder.disk.encoder_bytes / 2**30
         with self._lock:
             batch.timings["weight_load_s"], self._load_s = self._load_s, 0.0
             key = next(self._keys)

@@ -57,6 +57,7 @@ WEIGHTED_COMPONENTS = ("transformer", "vae", "text_encoder", "text_encoder_2", "
 # The actor trains the transformer and reads nothing else: its batches carry the text embeddings and latents, so
 # the VAE and the text encoders (10.55 GiB for SD3.5-M in fp16) stay off its device.
 ROLE_COMPONENTS = {"actor": ("transformer",), "rollout": WEIGHTED_COMPONENTS}
+TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")  # left unloaded with model.text_cache
 
 
 def model_family(path: str, local_files_only: bool = True):
@@ -232,42 +233,62 @@ def read_lora_metadata(path: str | Path) -> dict:
     return {k.split(".", 1)[1] if k.startswith("transformer.") else k: v for k, v in raw.items()}
 
 
+@torch.no_grad()
+def encode_rows(family, pipe, prompts: list[str], max_sequence_length: int) -> list[Embeds]:
+    """Each prompt's embeddings (a batch of 1, on the CPU), encoded on its own: batched, the encoders' matrix
+    products round differently with the batch's shape, so a prompt's row would depend on which prompts shared its
+    micro-batch (the tiny SD3's and Qwen-Image's do, in the last bits) — and the rows `gerl prepare` writes could not
+    equal the ones a run encodes. A masked row (a family whose prompts have their own lengths) keeps only its real
+    tokens. Kept in host memory: one SD3.5 prompt is 333 × 4096 values, so thousands of them do not belong on a GPU."""
+    rows = []
+    for p in prompts:
+        row = family.encode_prompts(pipe, [p], max_sequence_length).to("cpu")
+        if row.mask is not None:
+            n = int(row.mask.sum())
+            row = Embeds(row.prompt[:, :n], row.pooled, mask=row.mask[:, :n])
+        rows.append(row)
+    return rows
+
+
 class TextEmbedder:
     """Prompt (and, for an image-conditioned family, its conditioning image) → conditioning embeddings (the model
     family's `encode_prompts`), with an LRU cache keyed on (prompt, image path) so that the text encoders — and the
-    VAE encode of a conditioning image — run once per distinct pair.
+    VAE encode of a conditioning image — run once per distinct pair. With `disk` (model.text_cache,
+    gerl/models/text_cache.py) a text-to-image family's rows come from the memory-mapped cache `gerl prepare` wrote,
+    and the pipeline needs no text encoder.
 
     condition_resolution: model.condition_resolution, handed to an image-conditioned family (0 = its stock
     pipeline's own conditioning size)."""
 
-    def __init__(self, pipe, max_sequence_length: int, cache_size: int = 4096, condition_resolution: int = 0):
+    def __init__(self, pipe, max_sequence_length: int, cache_size: int = 4096, condition_resolution: int = 0,
+                 disk=None):
         from gerl.models.family import family_of
 
         self.pipe, self.family = pipe, family_of(pipe)
         self.max_sequence_length = max_sequence_length
         self.condition_resolution = condition_resolution
         self.cache_size = cache_size
+        if disk is not None and self.family.conditioned:
+            raise UserError(f"model.text_cache serves text-to-image families only: {self.family.title} encodes each "
+                            "prompt with its conditioning image; unset model.text_cache")
+        self.disk = disk
         # (prompt, image path or None) → its row (batch of 1), on the CPU
         self._cache: OrderedDict[tuple[str, str | None], Embeds] = OrderedDict()
         self.hits = self.misses = 0
 
-    @torch.no_grad()
     def _encode(self, keys: list[tuple[str, str | None]]) -> list[Embeds]:
-        prompts = [p for p, _ in keys]
-        if self.family.conditioned:
-            from gerl.data.prompts import open_image
+        if self.disk is not None:  # every prompt of the run's files is on disk; these are not
+            raise UserError(f"{len(keys)} prompt(s) are not in model.text_cache (e.g. {keys[0][0][:80]!r}) and this "
+                            "host loaded no text encoder: rerun `gerl prepare` with the prompt files this run uses")
+        if not self.family.conditioned:
+            return encode_rows(self.family, self.pipe, [p for p, _ in keys], self.max_sequence_length)
+        from gerl.data.prompts import open_image
 
-            e = self.family.encode_prompts(self.pipe, prompts, self.max_sequence_length,
-                                           images=[open_image(path) for _, path in keys],
-                                           condition_resolution=self.condition_resolution)
-        else:
-            e = self.family.encode_prompts(self.pipe, prompts, self.max_sequence_length)
-        # Kept in host memory: one SD3.5 prompt is 333 × 4096 values, so thousands of them do not belong on a GPU.
-        # A masked row (a family whose prompts have their own lengths) keeps only its real tokens, and a row's
-        # conditioning image its own tokens.
-        rows = []
-        for i in range(len(prompts)):
-            row = e.index(slice(i, i + 1)).to("cpu")
+        rows = []  # one pair at a time, like encode_rows: a row must not depend on its micro-batch's other rows
+        for p, path in keys:
+            with torch.no_grad():
+                row = self.family.encode_prompts(self.pipe, [p], self.max_sequence_length, images=[open_image(path)],
+                                                 condition_resolution=self.condition_resolution).to("cpu")
             if row.mask is not None:
                 n = int(row.mask.sum())
                 row = Embeds(row.prompt[:, :n], row.pooled, mask=row.mask[:, :n], cond=row.cond, cond_hw=row.cond_hw)
@@ -277,16 +298,20 @@ class TextEmbedder:
         return rows
 
     def _lookup(self, keys: list[tuple[str, str | None]]) -> Embeds:
-        missing = list(dict.fromkeys(k for k in keys if k not in self._cache))
+        disk = self.disk if self.disk is not None else ()
+        on_disk = [path is None and p in disk for p, path in keys]
+        missing = list(dict.fromkeys(k for k, d in zip(keys, on_disk) if not d and k not in self._cache))
         self.misses += len(missing)
         self.hits += len(keys) - len(missing)
         for k, e in zip(missing, self._encode(missing) if missing else []):
             self._cache[k] = e
         for k in keys:
-            self._cache.move_to_end(k)
+            if k in self._cache:
+                self._cache.move_to_end(k)
         while len(self._cache) > max(self.cache_size, len(set(keys))):
             self._cache.popitem(last=False)
-        return Embeds.cat([self._cache[k] for k in keys]).to(self.pipe.transformer.device)
+        rows = [self.disk.row(k[0]) if d else self._cache[k] for k, d in zip(keys, on_disk)]
+        return Embeds.cat(rows).to(self.pipe.transformer.device)
 
     def __call__(self, prompts: list[str], with_negative: bool = False, images: list | None = None) -> Embeds:
         """Embeddings of `prompts`; with_negative adds the family's negative prompt's as the unconditional branch.

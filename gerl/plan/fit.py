@@ -10,6 +10,10 @@ Changes are tried from the cheapest in run time to the dearest, and every one th
    transformer and its training state, the rollout the text encoders, the VAE and its own copy of the transformer,
    each on its own devices — re-planned, then 1 and 2 on that plan. Only when no change on the configured
    placement fits, as it takes more devices.
+4. sharded actors (engine.fsdp=true over N = 2, 4, 8 actor GPUs; a local run becomes a Ray run of N colocated
+   hosts): each rank holds 1/N of the transformer's weights and training state (gerl/plan/shard.py) — re-planned at
+   each N in turn, then 1 and 2 on that plan; the smallest N with a change that fits is given. Only when nothing
+   above fits: it takes N devices, and all-gathers every block's weights in each forward.
 A value is valid when the config with it passes gerl.config.validate (a micro-batch must divide its mini-batch or
 the images per step). Every peak comes from the plan's own per-phase lines (RolePlan.peak_gib_with): only the
 decoupled placement is counted again.
@@ -135,13 +139,35 @@ def smallest_changes(cfg: Config, roles, card: str, capacity: float, replan) -> 
         return fit
     fit.changes, fit.tried = _candidates(cfg, roles, capacity)
     hybrid = [r.role for r in roles] == ["hybrid"]
-    if fit.changes or not hybrid:
+    if fit.changes:
         return fit
-    placement = decoupled_overrides(cfg)
+    if hybrid:
+        _try_placement(fit, cfg, decoupled_overrides(cfg), capacity, replan)
+    for n in (2, 4, 8):
+        if fit.changes:
+            break
+        if n > cfg.engine.actor_workers or (not cfg.engine.fsdp and n == cfg.engine.actor_workers):
+            _try_placement(fit, cfg, sharded_overrides(cfg, n), capacity, replan)
+    return fit
+
+
+def sharded_overrides(cfg: Config, n: int) -> dict[str, object]:
+    """engine.fsdp=true over n actor ranks, the placement otherwise kept (a local run: n colocated Ray hosts)."""
+    g = cfg.engine
+    if g.kind == "local":
+        return {"engine.kind": "ray", "engine.device": "cuda", "engine.fsdp": True, "engine.actor_workers": n,
+                "engine.rollout_workers": n}
+    out = {"engine.fsdp": True, "engine.actor_workers": n}
+    return {**out, "engine.rollout_workers": n} if g.hybrid else out
+
+
+def _try_placement(fit: Fit, cfg: Config, placement: dict, capacity: float, replan) -> None:
+    """Re-plan `cfg` with `placement` and add to `fit` the changes that fit there: the placement as it is, then 1
+    and 2 on its plan."""
     split_cfg = _set(cfg, placement)
     if validate(split_cfg):
         fit.tried.append(" ".join(_text(placement)) + " (not a valid config: " + validate(split_cfg)[0] + ")")
-        return fit
+        return
     split = replan(split_cfg)
     as_is = _peaks(split, None, {})
     room = min(capacity - need_gib(p) for p in as_is.values())
@@ -151,4 +177,3 @@ def smallest_changes(cfg: Config, roles, card: str, capacity: float, replan) -> 
     more, tried = _candidates(split_cfg, split, capacity)
     fit.changes += [Change(_text(placement) + c.overrides, c.peaks, c.headroom_gib) for c in more]
     fit.tried += [" ".join(_text(placement)) + " " + t for t in tried]
-    return fit

@@ -18,7 +18,7 @@ import torch
 
 from gerl.config import Config
 from gerl.models.loader import DTYPES, add_lora
-from gerl.plan import phases, work
+from gerl.plan import phases, shard, work
 from gerl.plan.count import fake_mode, fakeify, peak_bytes
 from gerl.plan.family import family_for
 from gerl.plan.fit import DEFAULT_CARD, Fit, smallest_changes
@@ -200,7 +200,7 @@ def plan_for_config(cfg: Config, awm_old_forward: bool | None = None, card: str 
     fam = family_for(m)
     roles = role_names(cfg)
     dtype = DTYPES[m.dtype]
-    parts = tuple(dict.fromkeys(c for r in roles for c in fam.components("rollout" if r == "hybrid" else r)))
+    parts = tuple(dict.fromkeys(c for r in roles for c in _loaded(cfg, fam, r)))
     modules = {c: fam.build(c, vae_dtype(cfg) if c == "vae" else dtype) for c in parts}
     tr = modules["transformer"]
     if m.lora:
@@ -221,26 +221,18 @@ def plan_for_config(cfg: Config, awm_old_forward: bool | None = None, card: str 
     w = phases.Work(fam, latent, dtype, cfg)
     graded = _receiving_gradients(tr, trained, w, mode) if training else trained
     residents = work.resident_items(cfg, fam, modules, trained, graded)
-    with mode:  # the state the actor keeps between micro-batches exists before each phase: never counted in one
-        # bf16/fp16 full fine-tuning steps fp32 masters whose gradients accumulate in fp32 (gerl/workers/masters.py)
-        stepped = ([torch.nn.Parameter(torch.empty_like(p, dtype=torch.float32)) for p in trained]
-                   if work.uses_masters(cfg, trained) else trained)
-        with_grad = {id(p) for p in graded}
-        for p, s in zip(trained, stepped):  # accumulated gradients exist during every micro-batch but the first
-            if id(p) in with_grad:
-                s.grad = torch.zeros_like(s)
-        copies = lambda: [torch.empty_like(p) for p in stepped]  # noqa: E731
-        state = State(trained, copies() if cfg.algo.name != "flow_grpo" else None,
-                      copies() if cfg.train.ema_decay > 0 else None,
-                      phases.make_optimizer(stepped, cfg) if training else None, stepped)
+    state = _training_state(cfg, trained, graded, mode, training)
     old_forward = work.awm_old_forward(cfg) if awm_old_forward is None else awm_old_forward
     measurer = _Measurer(cfg, mode, tr)
     role_plans = []
     for r in roles:
         kinds = {"actor": ("actor",), "rollout": ("rollout",), "hybrid": ("actor", "rollout")}[r]
         plan_phases = measurer.phases(work.role_phases(r, cfg, modules, w, state, old_forward))
-        comps = fam.components("rollout" if r == "hybrid" else r)
-        resident = [i for c in comps for i in residents[c]] + [i for k in kinds for i in residents[k]]
+        comps = _loaded(cfg, fam, r)
+        if r != "rollout":  # the data-parallel layer's gathers on top of the phases that run it (gerl/plan/shard.py)
+            shard.add_gather(plan_phases, *shard.gather(tr, cfg, dtype))
+        own = {"transformer": residents.get("transformer@actor", residents["transformer"])} if r != "rollout" else {}
+        resident = [i for c in comps for i in own.get(c, residents[c])] + [i for k in kinds for i in residents[k]]
         resident.append(work.cublas_workspace(r))
         rp = RolePlan(r, resident, plan_phases)
         rp.cards = card_fits(rp, m.gradient_checkpointing)
@@ -257,6 +249,49 @@ def plan_for_config(cfg: Config, awm_old_forward: bool | None = None, card: str 
         awm_old_forward=old_forward if cfg.algo.name == "awm" else None,
         gradient_checkpointing=m.gradient_checkpointing, roles=role_plans, notes=_notes(cfg, roles, state),
         elapsed_s=round(time.perf_counter() - t0, 2), fit=fit)
+
+
+def _loaded(cfg: Config, fam, role: str) -> tuple[str, ...]:
+    """The weighted parts a host of `role` loads: with model.text_cache (gerl prepare) no text encoder."""
+    from gerl.models.loader import TEXT_ENCODERS
+
+    comps = fam.components("rollout" if role == "hybrid" else role)
+    return tuple(c for c in comps if c not in TEXT_ENCODERS) if cfg.model.text_cache else comps
+
+
+def _training_state(cfg: Config, trained: list, graded: list, mode, training: bool) -> State:
+    """The fake state the actor keeps between micro-batches (it exists before each phase: never counted in one), as
+    gerl/workers/actor.py holds it: accumulated gradients (during every micro-batch but a mini-batch's first), AdamW's
+    moments, the EMA and the anchor. bf16/fp16 full fine-tuning steps fp32 masters, and each backward's low-precision
+    gradient lives only until it is added into its master's (gerl/workers/masters.py); under engine.fsdp a rank steps
+    fp32 shards of 1/N of each tensor (gerl/plan/shard.py), and its whole gradients are the gather's."""
+    kind, lora = shard.layout(cfg), cfg.model.lora
+    n = shard.ranks(cfg) if kind == "shards" else 1
+    masters = not lora and trained[0].dtype in (torch.bfloat16, torch.float16)
+    with mode:
+        if kind == "shards":
+            optimized = [torch.nn.Parameter(torch.empty(shard.held(p, n), dtype=torch.float32)) for p in trained]
+        elif masters:
+            optimized = [torch.nn.Parameter(torch.empty_like(p, dtype=torch.float32)) for p in trained]
+        else:
+            optimized = trained
+        has_grad = {id(p) for p in graded}
+        for p, q in zip(trained, optimized):
+            if id(p) in has_grad:
+                q.grad = torch.zeros_like(q)
+        if optimized is not trained:  # the model's own gradient is handed on as soon as autograd has it
+            for p in trained:
+                p.register_post_accumulate_grad_hook(_hand_on)
+        swap = optimized if kind == "shards" else trained  # a rank swaps into its shards
+        copies = lambda: [torch.empty_like(p, dtype=torch.float32) for p in optimized]  # noqa: E731
+        return State(swap, copies() if cfg.algo.name != "flow_grpo" else None,
+                     copies() if cfg.train.ema_decay > 0 else None,
+                     phases.make_optimizer(optimized, cfg) if training else None,
+                     optimized if optimized is not trained else None)
+
+
+def _hand_on(p: torch.Tensor) -> None:
+    p.grad = None
 
 
 def _receiving_gradients(tr, trained: list, w: phases.Work, mode) -> list:
@@ -329,8 +364,16 @@ def _notes(cfg: Config, roles: list[str], state: State) -> list[str]:
                      "final latents")
     if g.kind == "ray" and not g.hybrid and g.gpus_per_worker < 1:
         notes.append(f"engine.gpus_per_worker={g.gpus_per_worker:g}: hosts share a card, so their peaks add up")
-    if g.kind == "ray" and g.actor_workers > 1:
-        notes.append("data parallel: every actor rank holds the same (gradients are averaged in place)")
+    kind = shard.layout(cfg)
+    if kind == "shards":
+        notes.append(f"engine.fsdp: each of the {g.actor_workers} actor ranks holds 1/{g.actor_workers} of every "
+                     "transformer weight (rows rounded up), its gradient, AdamW moments, EMA and anchor; whole weights "
+                     "only while they compute, in the compute dtype: the root's through a forward and two blocks at a "
+                     "time (the next one's all-gather is issued ahead), plus a block's gradients and their fp32 "
+                     "reduce-scatter input in a backward (docs/plan.md)")
+    elif kind == "replicas":
+        notes.append("data parallel (replicas): every actor rank holds the same; each block's gradients are "
+                     "all-reduced through an fp32 buffer as its backward ends")
     if not m.lora and m.dtype == "fp16" and cfg.train.fp16_loss_scale > 0:
         notes.append("model.lora=false with model.dtype=fp16: the loss scaler refuses fp16 gradients at the first "
                      "step; train in bf16, or keep a LoRA")

@@ -27,7 +27,7 @@ import torch
 
 from gerl.config import Config
 from gerl.models.loader import DTYPES
-from gerl.plan import phases
+from gerl.plan import phases, shard
 from gerl.plan.count import tensor_bytes
 
 GIB = 2**30
@@ -45,13 +45,18 @@ class Item:
 
 @dataclass
 class State:
-    """The fake tensors the phases swap in and step: the trained parameters, the anchor (nft/awm), the EMA
-    shadow, the optimizer (None without an actor)."""
+    """The fake tensors the phases swap in and step: the trained parameters (what the anchor and the EMA are swapped
+    into), the anchor (nft/awm), the EMA shadow, the optimizer (None without an actor) and the tensors it steps (the
+    trained parameters, or their fp32 masters, or a rank's fp32 shards of them)."""
     trained: list
     anchor: list | None
     shadow: list | None
     optimizer: torch.optim.Optimizer | None
-    stepped: list | None = None  # what the optimizer steps and clips: the fp32 masters of bf16/fp16 trained weights
+    optimized: list | None = None
+
+    @property
+    def stepped(self) -> list:
+        return self.optimized if self.optimized is not None else self.trained
 
 
 def _gib(n: int) -> float:
@@ -110,43 +115,64 @@ def resident_items(cfg: Config, fam, modules: dict, trained: list, graded: list)
     """Resident lines by owner: each component's weights (the transformer's with its LoRA adapter), and the
     training state ("actor") and staging buffer ("rollout") of the roles. Gradients and AdamW state exist for the
     `graded` parameters, those a training step gives a gradient; the EMA, the anchor and the staged weights copy
-    every trained one."""
+    every trained one. The trained state is fp32 whatever the model dtype: a LoRA's adapter is, and full fine-tuning
+    in bf16/fp16 keeps fp32 masters (gerl/workers/masters.py). Under engine.fsdp the actor ranks hold 1/N of the
+    transformer and of that state (gerl/plan/shard.py): "transformer@actor" is then what an actor or hybrid host holds
+    of it, "transformer" a decoupled rollout's whole copy."""
     m, t, a = cfg.model, cfg.train, cfg.algo
+    kind = shard.layout(cfg)
+    n = shard.ranks(cfg) if kind == "shards" else 1
+    part = f", FSDP2 shard 1/{n}" if kind == "shards" else ""
     out = {}
     for c, mod in modules.items():
         # the merged LoRA weights (model.merge_lora) are buffers with a line of their own below
         frozen = [x for x in mod.parameters() if not (m.lora and x.requires_grad)] + [
-            b for n, b in mod.named_buffers() if not n.endswith("merged_weight")]
+            b for n_, b in mod.named_buffers() if not n_.endswith("merged_weight")]
         dt = DTYPE_NAMES.get(next(mod.parameters()).dtype, "?")
         vals = sum(x.numel() for x in {id(x): x for x in frozen}.values())
         out[c] = [Item(f"{fam.label(c)} weights ({dt})", _gib(tensor_bytes(frozen)), f"{_count(vals)} values")]
+    tr = modules["transformer"]
     adapter = tensor_bytes(trained)
     if m.lora:
-        n = sum(p.numel() for p in trained)
-        out["transformer"].append(Item(f"LoRA adapter r{m.lora_rank} (fp32)", _gib(adapter), f"{_count(n)} params"))
+        count = sum(p.numel() for p in trained)
+        out["transformer"].append(Item(f"LoRA adapter r{m.lora_rank} (fp32)", _gib(adapter), f"{_count(count)} params"))
     if m.merge_lora and m.lora:  # gerl/models/lora_merge.py: W0 + s·B·A beside W0, wherever the transformer is
         from gerl.models.lora_merge import lora_layers
 
-        w0 = [x.get_base_layer().weight for x in lora_layers(modules["transformer"])]
+        w0 = [x.get_base_layer().weight for x in lora_layers(tr)]
         wdt = DTYPE_NAMES.get(w0[0].dtype, "?")
         out["transformer"].append(Item(f"merged LoRA weights (model.merge_lora, {wdt})", _gib(tensor_bytes(w0)),
                                        f"{len(w0)} adapted linears"))
-    masters = uses_masters(cfg, trained)
-    what = ("fp32 LoRA" if m.lora else "fp32 masters of the full fine-tuning" if masters
-            else DTYPE_NAMES[trained[0].dtype] + ", full fine-tuning")
-    grads = sum(p.numel() for p in graded) * 4 if masters else tensor_bytes(graded)
+    masters = not m.lora and trained[0].dtype in (torch.bfloat16, torch.float16)
+    if kind == "shards":  # what an actor rank keeps of the transformer: 1/N of every parameter, buffers whole
+        params = [x for x in tr.parameters() if not (m.lora and x.requires_grad)]
+        buffers = tensor_bytes([b for _, b in tr.named_buffers()])
+        dt = "fp32 masters" if not m.lora else cfg.model.dtype
+        lines = [Item(f"transformer weights ({dt}{part})", _gib(shard.held_bytes(params, n, 4 if not m.lora else None)
+                                                               + buffers), "buffers whole")]
+        if m.lora:
+            lines.append(Item(f"LoRA adapter r{m.lora_rank} (fp32{part})", _gib(shard.held_bytes(trained, n))))
+        out["transformer@actor"] = lines
+    what = "fp32 LoRA" if m.lora else ("fp32 masters, full fine-tuning" if masters or kind == "shards"
+                                       else "fp32, full fine-tuning")
+    grads = shard.held_bytes(graded, n, 4)
     unused = "" if len(graded) == len(trained) else f"{len(trained) - len(graded)} tensors get none"
-    actor = [Item(f"fp32 master weights ({DTYPE_NAMES[trained[0].dtype]} weights train through them)",
-                  _gib(4 * sum(p.numel() for p in trained)))] if masters else []
-    actor += [Item(f"gradients ({what})", _gib(grads), unused),
-              Item(f"AdamW exp_avg + exp_avg_sq ({what})", _gib(2 * grads))]
+    copies = shard.held_bytes(trained, n, 4)  # EMA, anchor: fp32 copies of the trained tensors (the masters)
+    actor = []
+    if masters and kind != "shards":  # sharded, the parameters themselves are the fp32 masters
+        actor.append(Item("fp32 master weights (AdamW steps them; the model's weights are cast from them)",
+                          _gib(copies)))
+    actor += [Item(f"gradients ({what}{part})", _gib(grads), unused),
+              Item(f"AdamW exp_avg + exp_avg_sq ({what}{part})", _gib(2 * grads))]
     if t.beta > 0 and not m.lora:
-        actor.append(Item(f"frozen reference copy (train.beta={t.beta:g})", out["transformer"][0].gib))
-    kept = 2 * adapter if masters else adapter  # the EMA and the anchor copy the fp32 masters
+        ref = [x for x in tr.parameters()]
+        actor.append(Item(f"frozen reference copy (train.beta={t.beta:g}{part})",
+                          _gib(shard.held_bytes(ref, n, DTYPES[cfg.model.dtype].itemsize)
+                               + tensor_bytes([b for _, b in tr.named_buffers()]))))
     if t.ema_decay > 0:
-        actor.append(Item(f"EMA weights (train.ema_decay={t.ema_decay:g})", _gib(kept)))
+        actor.append(Item(f"EMA weights (train.ema_decay={t.ema_decay:g}, fp32{part})", _gib(copies)))
     if a.name != "flow_grpo":
-        actor.append(Item(f"anchor θ_old (algo.name={a.name})", _gib(kept)))
+        actor.append(Item(f"anchor θ_old (algo.name={a.name}, fp32{part})", _gib(copies)))
     rollout = []
     if cfg.engine.schedule == "stream" and not (cfg.engine.hybrid or cfg.engine.kind == "local"):
         rollout.append(Item("staged weights (engine.schedule=stream)", _gib(adapter)))
@@ -166,12 +192,6 @@ def cublas_workspace(role: str) -> Item:
     what = "forward + autograd backward threads" if threads == 2 else "the forward thread"
     return Item(f"cuBLAS workspace ({CUBLAS_WORKSPACE_MIB} MiB × {threads}: {what})",
                 _gib(threads * CUBLAS_WORKSPACE_MIB * 2**20))
-
-
-def uses_masters(cfg: Config, trained: list) -> bool:
-    """Whether the actor trains through fp32 masters (gerl/workers/masters.py): full fine-tuning of bf16/fp16
-    weights (a LoRA adapter is fp32 already)."""
-    return not cfg.model.lora and trained[0].dtype in (torch.bfloat16, torch.float16)
 
 
 def swaps(cfg: Config, role: str) -> dict[str, str]:
@@ -211,7 +231,7 @@ def _actor_phases(cfg: Config, tr, w: phases.Work, st: State, old_forward: bool)
     out += [(f"training fwd+bwd, gradient checkpointing {'on' if c else 'off'}", TRAIN,
              lambda b: train(tr, b, w), c) for c in (ckpt, not ckpt)]
     scaled = w.dtype == torch.float16 and t.fp16_loss_scale > 0 and cfg.model.lora
-    step = phases.optimizer_step(st.optimizer, st.stepped or st.trained, cfg, scaled)
+    step = phases.optimizer_step(st.optimizer, st.stepped, cfg, scaled)
     out.append(("clip + AdamW step (foreach)", None, step, None))
     return out
 
@@ -227,9 +247,10 @@ def _rollout_phases(cfg: Config, role: str, modules: dict, w: phases.Work, st: S
     fam = w.fam
     guide = "CFG, " if fam.uses_negative(smp.guidance_scale) else ""
     recorded = recorded_steps(cfg)
+    # model.text_cache: the embeddings come from disk (gerl prepare), no encoder runs on the host
     out = [(f"text encoders{' (anchor swapped in)' if gen else ''}", SAMPLE,
-            lambda b: phases.text_encode(encoders, b, w, gen), None),
-           (f"denoising forward ({guide}no grad{held})", SAMPLE,
+            lambda b: phases.text_encode(encoders, b, w, gen), None)] if encoders else []
+    out += [(f"denoising forward ({guide}no grad{held})", SAMPLE,
             lambda b: phases.denoise_step(tr, b, w, smp.guidance_scale, recorded, gen), None),
            (f"VAE decode ({vae_dt}{held})", SAMPLE,
             lambda b: phases.vae_decode(vae, b, w, smp.guidance_scale, recorded, gen), None)]
@@ -243,7 +264,7 @@ def _rollout_phases(cfg: Config, role: str, modules: dict, w: phases.Work, st: S
                     lambda b: phases.denoise_step(tr, b, w, smp.eval_guidance_scale, 0, val), None))
     if val:
         out += [("validation text encoders (EMA swapped in)", SAMPLE,
-                 lambda b: phases.text_encode(encoders, b, w, val), None),
-                (f"validation VAE decode ({vae_dt}, EMA swapped in)", SAMPLE,
+                 lambda b: phases.text_encode(encoders, b, w, val), None)] if encoders else []
+        out += [(f"validation VAE decode ({vae_dt}, EMA swapped in)", SAMPLE,
                  lambda b: phases.vae_decode(vae, b, w, smp.eval_guidance_scale, 0, val), None)]
     return out

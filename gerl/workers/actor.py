@@ -120,8 +120,10 @@ class ActorWorker:
         self.masters = MasterWeights(self.model_params) if needs_masters(self.model_params) else None
         self.params = self.masters.params if self.masters is not None else self.model_params
         self.grad_sync = grad_sync if grad_sync is not None else (self.dp.agree if self.dp is not None else None)
+        # foreach: what torch picks on a GPU, asked for on the CPU too (the same values, bit for bit), so that a CPU
+        # run holds the optimizer step's temporaries a GPU run holds (gerl plan and its CPU-allocator tests)
         self.optimizer = torch.optim.AdamW(self.params, lr=train.learning_rate, betas=tuple(train.adam_betas),
-                                           weight_decay=train.weight_decay, eps=train.adam_eps)
+                                           weight_decay=train.weight_decay, eps=train.adam_eps, foreach=True)
         self.mini = (train.mini_batch_size or images_per_step) // world  # samples per optimizer step on this rank
         self._zero_fracs: list[float] = []  # grad_zero_fraction of each optimizer step since the last step_metrics
         # fp16 compute: dynamic loss scaling, or the gradients underflow to zero (gerl/workers/loss_scale.py)

@@ -1,6 +1,7 @@
 """engine.rehearse=true across two Ray nodes in one machine (ray.cluster_utils.Cluster): the decoupled launchers'
 rehearsal (every check of tests/engine/test_rehearsal.py) with cross-node placement, the data-parallel process
-group and the weight sync, on declared GPUs."""
+group and the weight sync, on declared GPUs; the hosts placed through one placement group with their ranks sorted by
+node, and engine.env set in every host's process."""
 
 import pytest
 
@@ -24,6 +25,9 @@ def two_nodes():
         yield cluster
     ray.shutdown()
     cluster.shutdown()
+
+
+ENV = "{NCCL_DEBUG: WARN, NCCL_IB_DISABLE: 1}"  # engine.env: read by NCCL on a GPU run, harmless to gloo
 
 
 def _weights(handles, method: str) -> list[dict]:
@@ -51,8 +55,19 @@ def test_two_node_rehearsal(launcher, tmp_path, two_nodes, capfd, monkeypatch):
         return seconds
 
     monkeypatch.setattr(RayEngine, "sync", sync)
-    rehearse(launcher, tmp_path)
+    rehearse(launcher, tmp_path, f"engine.env={ENV}")
     hosts = check_rehearsal(launcher, tmp_path, capfd.readouterr().err)
+    # engine.env reached every host's own process (Ray's runtime_env), on both nodes
+    assert all(h["env"] == {"NCCL_DEBUG": "WARN", "NCCL_IB_DISABLE": "1"} for h in hosts), [h["env"] for h in hosts]
+    # ranks sorted by node (gerl/engine/placement.py): each node's hosts are consecutive in rank order, and the
+    # actor ranks share the node that holds the most hosts (2 of the 3 GPUs are on the second node). Without the
+    # placement group Ray put actor 0 on the head node and actor 1 on the other (a2_r1's actors split).
+    in_rank_order = [h["node"] for h in hosts]  # placement.json lists actors by rank, then the rollouts
+    runs = [n for i, n in enumerate(in_rank_order) if i == 0 or n != in_rank_order[i - 1]]
+    assert len(runs) == len(set(runs)), f"a node's hosts are not consecutive in rank order: {in_rank_order}"
+    actors = [h["node"] for h in hosts if "actor" in h["roles"]]
+    assert len(set(actors)) == 1 and in_rank_order.count(actors[0]) == 2, in_rank_order
+    assert len({h["bundle"] for h in hosts}) == len(hosts), "one bundle per host"
     # check_rehearsal: each host on its own (node, GPU), the data-parallel group's backend map, a real first update
     nodes = {h["host"]: h["node"] for h in hosts}
     assert len(set(nodes.values())) == 2, f"the hosts span both nodes: {nodes}"
