@@ -62,7 +62,7 @@ def timed(reward, image, prompt, repeats: int = 3):
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--markdown", action="store_true", help="also print the table as markdown")
     args = p.parse_args()

