@@ -15,6 +15,10 @@ import os
 # so 2-thread subprocesses beside the other test process burned CPU for nothing (measured: the suite took 10:20
 # without this and 9:39 with it, same machine). A test that wants more threads sets them itself.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Where a process still runs several threads (a Ray host given 2 cores, a test that asks for more), its idle OpenMP
+# threads sleep instead of spinning: on 2 cores shared by 3 test processes a spinning thread takes a core from a
+# process with work.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

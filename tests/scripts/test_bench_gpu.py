@@ -92,16 +92,19 @@ def test_bad_numerics_flags_are_one_line_errors(capsys):
 # per-element gradient is ~2× that of any step of GeRL's 10-step window, so underflow here holds there a fortiori.
 # The loss averages over the mini-batch and the trained steps: GeRL's 32 images × 3 steps weigh each image's step
 # by 1/96, which advantages × 1/96 reproduce exactly for one image (a micro-batch of 8 computes the same
-# per-sample gradients). Each run ≈ 15–25 s on 2 cores: build (once), 3 rollout forwards, the update, the fp32 copy.
+# per-sample gradients). Each run ≈ 30 s on one core: build (once), 3 rollout forwards, the update, the fp32 copy.
 REAL_WIDTH = ["--device", "cpu", "--layers", "2", "--steps", "0", "--warmup", "0", "--no-stock", "--prompts", "1",
               "--group-size", "1", "--resolution", "512", "--num-steps", "3", "--sde-window", "1",
               "--sde-window-range", "0", "1", "--t5-tokens", "32", "--advantage-scale", str(1 / 96)]
 
 
 @pytest.fixture
-def two_threads():
+def one_thread():
+    """One torch thread, as the rest of the suite (tests/conftest.py), and the 2-block build freed after. Two threads
+    (this fixture's former setting) beside the suite's other processes on 2 cores made the test 5× slower than alone
+    (202 s in a fresh-clone suite, 39 s alone; OpenMP threads spin while the other processes hold the cores)."""
     n = torch.get_num_threads()
-    torch.set_num_threads(2)  # the suite runs single-threaded (tests/conftest.py); real width wants both cores
+    torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
     bench._cpu_transformer.cache_clear()  # the cached 2-block fp32 build holds ~1.6 GB
@@ -115,7 +118,7 @@ def real_width_run(extra: list[str], capsys) -> tuple[dict, str]:
     return json.loads(line.split(" ", 1)[1]), printed
 
 
-def test_fp16_gradients_need_loss_scaling_at_real_width(two_threads, capsys):
+def test_fp16_gradients_need_loss_scaling_at_real_width(one_thread, capsys):
     runs = {name: real_width_run(extra, capsys) for name, extra in [("fp16", ["--dtype", "fp16"]),
                                                                     ("bf16", ["--dtype", "bf16"])]}
     for name, (s, printed) in runs.items():
