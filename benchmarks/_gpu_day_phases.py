@@ -360,6 +360,16 @@ def algos(ctx: Ctx) -> None:
     variants(ctx, ("nft", "awm", "dgpo"))
 
 
+@phase("fsdp", cap_s=120, rehearse_cap_s=120, h100_estimate_s=60, call=2,
+       what="engine.fsdp's code path on one GPU: SD3.5-M full fine-tuning in bf16 through fully_shard (fp32 sharded "
+            "masters, world 1, NCCL), one update of 4 images: seconds, peak vs gerl plan, the ratio against the "
+            "unsharded rollout")
+def fsdp(ctx: Ctx) -> None:
+    from _gpu_day_fsdp import fsdp_step
+
+    fsdp_step(ctx, bench_ctx, rollout_batch, PhaseFailed)
+
+
 @phase("profile", cap_s=90, rehearse_cap_s=90, h100_estimate_s=40, call=2,
        what="torch.profiler over one rollout and one training micro-batch: GPU-busy fraction, kernel-class shares")
 def profile(ctx: Ctx) -> None:

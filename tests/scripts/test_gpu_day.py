@@ -77,8 +77,9 @@ def test_without_phases_a_gpu_run_is_a_prepared_call_with_env_first_and_a_rehear
     every, _ = gpu_day.parse_args(["--out", str(tmp_path), "--rehearse"])
     named, _ = gpu_day.parse_args(["--out", str(tmp_path), "--phases", "launcher,flux_rollout"])
     assert first.names == ["env", "step8", "rollout", "ratio"]
-    assert second.names == ["env", "step", "algos", "profile", "ocr", "t5", "validation"]
-    assert every.names == ["env", "step8", "rollout", "ratio", "step", "algos", "profile", "ocr", "t5", "validation"]
+    assert second.names == ["env", "step", "algos", "fsdp", "profile", "ocr", "t5", "validation"]
+    assert every.names == ["env", "step8", "rollout", "ratio", "step", "algos", "fsdp", "profile", "ocr", "t5",
+                           "validation"]
     assert named.names == ["env", "flux_rollout", "launcher"]
 
 

@@ -138,3 +138,23 @@ def test_the_step_benchmark_builds_through_prepare_pipeline(monkeypatch, tmp_pat
     engine.close()
     assert len(seen) == 1 and seen[0][0] is cfg and seen[0][1] == torch.float32 and build_s > 0
     assert any("lora_A" in n for n, _ in engine.actor.worker.named_params)  # the adapter came from the config
+
+
+def test_the_fsdp_phase_trains_through_fully_shard_and_replays_the_rollout(tmp_path):
+    """The fsdp phase (benchmarks/_gpu_day_fsdp.py) rehearsed on the CPU, in bf16 as on the GPU: the actor's
+    transformer went through FSDP2 with fp32 masters over a world-1 gloo group, its first replay gives the unsharded
+    rollout's log-probs (bf16 on the CPU: 2.5e-6, the unsharded actor's own figure), and the plan's peak is recorded.
+    Broken on purpose (by hand, 2026-11-28): an actor built without the data-parallel layer failed the phase by name
+    ("the actor was not sharded"), with the same 2.5e-6."""
+    import torch.distributed as dist
+
+    import _gpu_day_fsdp as fsdp
+    import _gpu_day_phases as phases
+
+    n = {}
+    ctx = phases.Ctx(True, tmp_path, n, lambda: None, device=torch.device("cpu"), bench=bench)
+    fsdp.fsdp_step(ctx, phases.bench_ctx, phases.rollout_batch, phases.PhaseFailed)
+    assert n["sharded"] and n["fp32_masters"] and n["dtype"] == "bf16" and n["images"] == 2
+    assert n["ratio_max_dev"] <= fsdp.RATIO_BOUND and n["grad_norm"] > 0 and n["plan_actor_peak_gib"] > 0
+    assert not dist.is_initialized()  # the phase's group is gone: nothing leaks into the next phase or test
+
