@@ -57,7 +57,7 @@ def test_a_failing_phase_is_recorded_and_the_later_phases_still_run(tmp_path, ca
 
 @pytest.mark.parametrize("argv, message", [
     (["--phases", "env,warp"],
-     "unknown phase 'warp'; choose from env, smoke, train, step8, rollout, ratio, step, algos, profile, ocr, t5, "
+     "unknown phase 'warp'; choose from env, smoke, train, step8, rollout, ratio, step, algos, fsdp, profile, ocr, t5, "
      "validation, fp16, flux_rollout, launcher, launchers"),
     (["--fail", "nope"], "unknown phase 'nope'"),
     (["--phases", ","], "--phases names no phase"),
