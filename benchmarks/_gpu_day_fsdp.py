@@ -80,13 +80,12 @@ def fsdp_step(ctx, bench_ctx, rollout_batch, phase_failed) -> None:
 
 def _plan(ctx, images: int, micro: int) -> float | None:
     """`gerl plan`'s actor peak (GiB) for this phase's configuration: one sharded actor GPU, full fine-tuning."""
+    from _gpu_day_phases import plan_model
+
     from gerl.config import load_config
     from gerl.plan import plan_for_config
 
-    model = ["model.path=tiny", "model.resolution=64", "model.dtype=bf16"] if ctx.rehearse else [
-        "model.path=stabilityai/stable-diffusion-3.5-medium", "model.dtype=bf16", "model.resolution=512",
-        "model.max_sequence_length=256"]
-    cfg = load_config(None, model + ["model.lora=false", "engine.kind=ray", "engine.hybrid=false", "engine.fsdp=true",
+    cfg = load_config(None, plan_model(ctx, "bf16") + ["model.lora=false", "engine.kind=ray", "engine.hybrid=false", "engine.fsdp=true",
                                      "engine.device=cuda", f"data.group_size={images}", "data.prompts_per_step=1",
                                      f"train.mini_batch_size={images}", f"train.micro_batch_size={micro}",
                                      f"sampling.micro_batch_size={images}", "train.beta=0"])

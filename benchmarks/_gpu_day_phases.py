@@ -286,15 +286,19 @@ def train(ctx: Ctx) -> None:
         n["plan_error"] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
 
 
+def plan_model(ctx: Ctx, tiny_dtype: str) -> list[str]:
+    """The model overrides `gerl plan` is asked about: the tiny SD3 in `tiny_dtype` when rehearsing, else SD3.5-M."""
+    return ["model.path=tiny", "model.resolution=64", f"model.dtype={tiny_dtype}"] if ctx.rehearse else [
+        "model.path=stabilityai/stable-diffusion-3.5-medium", "model.dtype=bf16", "model.resolution=512",
+        "model.max_sequence_length=256"]
+
+
 def train_plan(ctx: Ctx, images: int) -> dict:
     """`gerl plan`'s actor peak and training-phase transient for this configuration, checkpointing off and on."""
     from gerl.config import load_config
     from gerl.plan import plan_for_config
 
-    model = ["model.path=tiny", "model.resolution=64", "model.dtype=fp32"] if ctx.rehearse else [
-        "model.path=stabilityai/stable-diffusion-3.5-medium", "model.dtype=bf16", "model.resolution=512",
-        "model.max_sequence_length=256"]
-    cfg = load_config(None, model + ["model.lora_rank=32", "model.lora_alpha=64", "engine.kind=ray",
+    cfg = load_config(None, plan_model(ctx, "fp32") + ["model.lora_rank=32", "model.lora_alpha=64", "engine.kind=ray",
                                      "engine.hybrid=false", "engine.device=cuda", f"data.group_size={images}",
                                      "data.prompts_per_step=1", f"train.mini_batch_size={images}",
                                      f"train.micro_batch_size={min(8, images)}", f"sampling.micro_batch_size={images}"])
