@@ -234,18 +234,24 @@ def read_lora_metadata(path: str | Path) -> dict:
 
 
 @torch.no_grad()
-def encode_rows(family, pipe, prompts: list[str], max_sequence_length: int) -> list[Embeds]:
+def encode_rows(family, pipe, prompts: list[str], max_sequence_length: int, images: list | None = None,
+                condition_resolution: int = 0) -> list[Embeds]:
     """Each prompt's embeddings (a batch of 1, on the CPU), encoded on its own: batched, the encoders' matrix
     products round differently with the batch's shape, so a prompt's row would depend on which prompts shared its
     micro-batch (the tiny SD3's and Qwen-Image's do, in the last bits) — and the rows `gerl prepare` writes could not
     equal the ones a run encodes. A masked row (a family whose prompts have their own lengths) keeps only its real
-    tokens. Kept in host memory: one SD3.5 prompt is 333 × 4096 values, so thousands of them do not belong on a GPU."""
+    tokens, and a row's conditioning image (`images`: one PIL image per prompt, for an image-conditioned family) its
+    own tokens. Kept in host memory: one SD3.5 prompt is 333 × 4096 values, so thousands of them do not belong on a
+    GPU."""
     rows = []
-    for p in prompts:
-        row = family.encode_prompts(pipe, [p], max_sequence_length).to("cpu")
+    for i, p in enumerate(prompts):
+        extra = {} if images is None else {"images": [images[i]], "condition_resolution": condition_resolution}
+        row = family.encode_prompts(pipe, [p], max_sequence_length, **extra).to("cpu")
         if row.mask is not None:
             n = int(row.mask.sum())
-            row = Embeds(row.prompt[:, :n], row.pooled, mask=row.mask[:, :n])
+            row = Embeds(row.prompt[:, :n], row.pooled, mask=row.mask[:, :n], cond=row.cond, cond_hw=row.cond_hw)
+        if row.cond is not None:
+            row.cond = row.cond[:, :family.condition_tokens(*row.cond_hw[0].tolist())]
         rows.append(row)
     return rows
 
@@ -284,18 +290,8 @@ class TextEmbedder:
             return encode_rows(self.family, self.pipe, [p for p, _ in keys], self.max_sequence_length)
         from gerl.data.prompts import open_image
 
-        rows = []  # one pair at a time, like encode_rows: a row must not depend on its micro-batch's other rows
-        for p, path in keys:
-            with torch.no_grad():
-                row = self.family.encode_prompts(self.pipe, [p], self.max_sequence_length, images=[open_image(path)],
-                                                 condition_resolution=self.condition_resolution).to("cpu")
-            if row.mask is not None:
-                n = int(row.mask.sum())
-                row = Embeds(row.prompt[:, :n], row.pooled, mask=row.mask[:, :n], cond=row.cond, cond_hw=row.cond_hw)
-            if row.cond is not None:
-                row.cond = row.cond[:, :self.family.condition_tokens(*row.cond_hw[0].tolist())]
-            rows.append(row)
-        return rows
+        return encode_rows(self.family, self.pipe, [p for p, _ in keys], self.max_sequence_length,
+                           [open_image(path) for _, path in keys], self.condition_resolution)
 
     def _lookup(self, keys: list[tuple[str, str | None]]) -> Embeds:
         disk = self.disk if self.disk is not None else ()
