@@ -174,8 +174,6 @@ def test_actor_peak_matches_the_cpu_allocator(family, checkpointing):
     run for two updates of one optimizer step over two micro-batches (the second in the steady state: AdamW state,
     the first micro-batch's gradients and the recipe's EMA alive), one recorded SDE step per sample."""
     name, _ = family
-    if name in QWEN3_FAMILIES:  # measured at the tiny widths: planned 3–15 % under (left open: docs/lab_notebook.md)
-        pytest.skip("FLUX.2-klein's and Z-Image's training phase is not held to the allocator yet")
     if name in EDIT_BASE and not checkpointing:  # the suite's time: the checkpointed run holds the same reference
         pytest.skip("the editing families' actor is checked with checkpointing on (their reference tokens count alike)")
     cfg = _config(family, checkpointing)

@@ -338,32 +338,17 @@ class ActorWorker:
                 for j in range(T):
                     for u0 in range(0, len(mini), cfg.micro_batch_size):
                         idx = mini[u0:u0 + cfg.micro_batch_size]
-                        k = plan[idx, j]
-                        out = self._replay(self.transformer, batch, idx, k)
-                        ref_mean = None
-                        if cfg.beta > 0:
-                            with torch.no_grad(), self._reference() as ref:
-                                ref_mean = self._replay(ref, batch, idx, k).mean
-                        device = out.log_prob.device
-                        conv = self.log_prob_convention
-                        lp = log_prob_as(conv, out.log_prob, out.std)
-                        old_lp = log_prob_as(conv, old[idx, k].to(device), out.std)  # same σ, same std
-                        kl_std = out.std if self.conventions.kl_std == "transition" else out.noise_coef
-                        loss, stats = grpo_loss(lp, old_lp, advantages[idx].to(device),
-                                                cfg.clip_range, cfg.beta, out.mean, ref_mean, kl_std, self.ratio_cap,
-                                                cfg.loss, cfg.is_cap,
-                                                None if batch.rewards is None else batch.rewards[idx].to(device),
-                                                cfg.cispo_eps_low, cfg.cispo_eps_high, cfg.topr_split)
                         last = j == T - 1 and u0 + cfg.micro_batch_size >= len(mini)
-                        if not self.backward(loss / (n_micro * T), last):
+                        log_ratio, stats = self._flow_grpo_micro(batch, idx, plan[idx, j], old, advantages,
+                                                                 n_micro * T, last)
+                        if stats is None:
                             finite = False
                             continue
                         if not stepped:
-                            ratio = torch.exp(lp.detach() - old_lp)
-                            max_dev = max(max_dev, float((ratio - 1).abs().max()))
+                            max_dev = max(max_dev, float((torch.exp(log_ratio) - 1).abs().max()))
                             ratio_seen = True
                         for key, v in stats.items():
-                            sums[key] = sums.get(key, 0.0) + float(v)
+                            sums[key] = sums.get(key, 0.0) + v
                         count += 1
                 gn, why = self.optimizer_step(finite)
                 if gn is None:
@@ -376,6 +361,32 @@ class ActorWorker:
         # that no "max |ratio - 1| <= bound" check passes on a run that computed nothing
         metrics["ratio_max_dev_before_update"] = self.global_max(max_dev if ratio_seen else float("nan"))
         return self.step_metrics(metrics, grad_norms, skipped, T)
+
+    def _flow_grpo_micro(self, batch: RolloutBatch, idx: torch.Tensor, k: torch.Tensor, old: torch.Tensor,
+                         advantages: torch.Tensor, parts: int,
+                         last: bool) -> tuple[torch.Tensor | None, dict[str, float] | None]:
+        """One micro-batch's replay with grad, its clipped-ratio loss (divided by the `parts` backwards of its
+        optimizer step) and backward. Returns (the detached log-ratio, (b,), the loss statistics), or (None, None)
+        for a non-finite loss. A function of its own so that the micro-batch's tensors (its replayed step, the loss)
+        are freed before the next micro-batch's forward, as `gerl plan` counts the phase."""
+        cfg = self.cfg
+        out = self._replay(self.transformer, batch, idx, k)
+        ref_mean = None
+        if cfg.beta > 0:
+            with torch.no_grad(), self._reference() as ref:
+                ref_mean = self._replay(ref, batch, idx, k).mean
+        device = out.log_prob.device
+        conv = self.log_prob_convention
+        lp = log_prob_as(conv, out.log_prob, out.std)
+        old_lp = log_prob_as(conv, old[idx, k].to(device), out.std)  # same σ, same std
+        kl_std = out.std if self.conventions.kl_std == "transition" else out.noise_coef
+        loss, stats = grpo_loss(lp, old_lp, advantages[idx].to(device), cfg.clip_range, cfg.beta, out.mean, ref_mean,
+                                kl_std, self.ratio_cap, cfg.loss, cfg.is_cap,
+                                None if batch.rewards is None else batch.rewards[idx].to(device),
+                                cfg.cispo_eps_low, cfg.cispo_eps_high, cfg.topr_split)
+        if not self.backward(loss / parts, last):
+            return None, None
+        return lp.detach() - old_lp, {key: float(v) for key, v in stats.items()}
 
     # ------------------------------------------------------------------ checkpoint state
     def gather(self, tensors: list[torch.Tensor], dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
