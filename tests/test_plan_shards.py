@@ -36,7 +36,19 @@ def _plan(case: str, sharded: bool):
     return plan_for_config(load_config(TINY, [*BASE, *CASES[case], *(SHARDED if sharded else [])]), card=None)
 
 
-def _rank(rank: int, store: str, out: str) -> None:
+MAX_UPDATES = 12  # per case: see _rank
+SLACK = 64  # bytes the allocator may hold beyond the plan's lines and AdamW's step counters
+
+
+def _planned(case: str) -> int:
+    """Bytes of the plan's shard lines of one actor rank: its weights (or masters), adapter, gradients, AdamW."""
+    lines = {i.name: i.gib * 2**30 for i in _plan(case, True).role("actor").resident}
+    shards = [k for k in lines if k.startswith(("transformer weights", "LoRA adapter", "gradients", "AdamW"))]
+    assert len(shards) == (4 if case == "lora" else 3) and all(f"FSDP2 shard 1/{WORLD}" in k for k in shards), shards
+    return round(sum(lines[k] for k in shards))
+
+
+def _rank(rank: int, store: str, out: str, planned: dict[str, int]) -> None:
     from gerl.engine.parallel import parallelize
     from gerl.models.loader import add_lora, load_pipeline
     from tests.engine.test_parallel import _inputs
@@ -66,10 +78,20 @@ def _rank(rank: int, store: str, out: str) -> None:
 
             if not held:  # once before: what the first update in a process sets up once (torch's caches)
                 net_bytes(update)
-            # the least of two: a collective's buffer whose last reference a gloo thread drops is freed where the
-            # profiler does not look, and then counts as held (seen: +20 to +270 KiB in one update of five; never twice in a row)
-            held[f"{case} all"] = [net_bytes(update) for _ in range(2)]
-            held[case] = min(held[f"{case} all"])
+            # A storage whose last reference a gloo thread drops is freed where the profiler does not look, and then
+            # counts as held: +4 to +300 KiB, in 20 of 34 updates of the full case and 12 of 44 of the LoRA case
+            # (2026-11-28; profile_all_threads records no memory events at all). That noise only ever adds, so the
+            # ranks update again, all of them (the collectives), until rank 0 measures at most SLACK over the plan —
+            # or under it, which no noise explains: the test fails on it — up to MAX_UPDATES times.
+            held[f"{case} all"] = []
+            while True:
+                held[f"{case} all"].append(net_bytes(update))
+                extra = held[f"{case} all"][-1] - planned[case] - 4 * held[f"{case} steps"]
+                done = torch.tensor([extra <= SLACK or len(held[f"{case} all"]) == MAX_UPDATES])
+                dist.broadcast(done, 0)
+                if done.item():
+                    break
+            held[case] = held[f"{case} all"][-1]
         if rank == 0:
             torch.save(held, out)
     finally:
@@ -78,16 +100,13 @@ def _rank(rank: int, store: str, out: str) -> None:
 
 def test_a_ranks_shards_match_the_cpu_allocator(tmp_path):
     out = tmp_path / "rank0.pt"
-    mp.start_processes(_rank, args=(str(tmp_path / "store"), str(out)), nprocs=WORLD, start_method="fork")
+    planned = {case: _planned(case) for case in CASES}
+    mp.start_processes(_rank, args=(str(tmp_path / "store"), str(out), planned), nprocs=WORLD, start_method="fork")
     held = torch.load(out)
     for case in CASES:
-        lines = {i.name: i.gib * 2**30 for i in _plan(case, True).role("actor").resident}
-        shards = [k for k in lines if k.startswith(("transformer weights", "LoRA adapter", "gradients", "AdamW"))]
-        assert len(shards) == (4 if case == "lora" else 3) and all(f"FSDP2 shard 1/{WORLD}" in k for k in shards), shards
-        planned = sum(lines[k] for k in shards)
         # + AdamW's step counters (a 0-d fp32 tensor per parameter, on the CPU on a GPU run too) and a few bytes
-        extra = held[case] - planned - 4 * held[f"{case} steps"]
-        assert 0 <= extra <= 64, (case, held[f"{case} all"], planned, extra)
+        extra = held[case] - planned[case] - 4 * held[f"{case} steps"]
+        assert 0 <= extra <= SLACK, (case, held[f"{case} all"], planned[case], extra)
 
 
 def test_the_smallest_change_that_fits_can_be_sharding_over_n_gpus():
