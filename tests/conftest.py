@@ -26,11 +26,9 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 
-# The slow tier (marker `slow`): real Ray clusters, real servers, end-to-end runs of the CLI and benchmarks, the
-# learning test and the real-width fp16 check — each above ~10 s on 2 cores. CI runs every tier; while working,
-# `bash scripts/test.sh -m "not slow"` runs the rest in about a minute.
-# the slow tier: real Ray clusters, servers, processes of their own (a gloo group, a training run), and the few
-# single checks of 10 s or more in a fresh-clone suite; -m "not slow" keeps the rest under 3 minutes
+# The slow tier (marker `slow`): real Ray clusters, real servers, processes of their own (a gloo group, a training
+# run, the CLI and benchmarks), the learning test and every other single check of 10 s or more in a fresh-clone
+# suite. CI runs every tier; while working, `bash scripts/test.sh -m "not slow"` runs the rest (2:43 in a fresh clone).
 SLOW = ("tests/engine/", "tests/train/test_learning.py", "tests/train/test_interrupt.py", "tests/train/test_faults.py",
         "tests/scripts/", "tests/rewards/test_vlm.py", "tests/test_plan.py::test_cli_", "tests/logging/test_metrics.py",
         "tests/rewards/test_preference.py::test_ray_", "tests/test_plan_shards.py::test_a_ranks_shards",
