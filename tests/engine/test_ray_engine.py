@@ -95,17 +95,6 @@ def test_resume_mid_run_reissues_the_step_in_flight_with_its_version(tmp_path):
     assert (tmp_path / "checkpoints/step_000004/pytorch_lora_weights.safetensors").is_file()
 
 
-def test_hybrid_on_ray(tmp_path):
-    train(small_config(tmp_path, "max_steps=2", "engine.kind=ray", "engine.hybrid=true", "engine.device=cpu",
-                       "engine.cpus_per_worker=2"))
-    rows = _rows(tmp_path)
-    assert [r["policy_lag"] for r in rows] == [0, 0] and [r["policy_version"] for r in rows] == [0, 1]
-    # Lag 0 is more than a version number: step 2 was generated with the weights step 1 trained, so before its
-    # update the actor's log-probs of those very transitions are the rollout's, up to fp32 rounding (1.2e-7 here;
-    # a rollout left on its own copy of the weights gives 3.4e-4)
-    assert rows[0]["grad_norm"] > 0 and all(r["ratio_max_dev_before_update"] < 1e-5 for r in rows)
-
-
 @pytest.mark.parametrize("sync", ["object_store", "broadcast"])
 def test_the_merged_lora_stays_exact_across_weight_sync(tmp_path, sync):
     """model.merge_lora on decoupled hosts in bf16 with the sync schedule (each step generated with the weights
@@ -129,23 +118,6 @@ def test_misplacement_names_the_numbers(tmp_path):
     with pytest.raises(UserError, match=r"asks for 4 CPUs \(2 actor \+ 2 rollout hosts × 1 engine.cpus_per_worker\) but the Ray cluster has 2"):
         train(cfg)
     assert not (tmp_path / "metrics.jsonl").exists()
-
-
-def test_reward_replicas_as_ray_actors_keep_order_and_survive_a_death():
-    from PIL import Image
-
-    from gerl.workers.reward import RewardExecutor
-    from tests.workers import faulty
-
-    img = Image.new("RGB", (8, 8))
-    ex = RewardExecutor(faulty.DiesOn(), "ray", workers=2, timeout_s=30, retries=0, num_cpus=0.5)
-    futs = [ex.submit([img, img], [p, p + "x"], [{}, {}]) for p in ("a", "bb", "ccc")]
-    assert [ex.result(f).scores for f in futs] == [[1.0, 2.0], [2.0, 3.0], [3.0, 4.0]]
-    dead = ex.result(ex.submit([img], ["die"], [{}]))
-    assert dead.failed == [True] and ex.worker_restarts == 1
-    again = [ex.result(ex.submit([img], ["ok"], [{}])) for _ in range(2)]  # both replicas answer again
-    assert [r.scores for r in again] == [[2.0], [2.0]]
-    ex.close()
 
 
 def test_data_parallel_actors_stay_identical(tmp_path, tiny_dir):
@@ -222,3 +194,34 @@ def test_unreachable_ray_address_fails_fast_naming_it():
     with pytest.raises(UserError, match="not a number"):
         check_ray_address("127.0.0.1:head")
     check_ray_address("auto")  # left to ray.init, which fails fast itself when no cluster runs here
+
+
+# Last: these two take the cluster's 2 CPUs from the 1 actor + 1 rollout (or 2 hybrid) hosts the runs above
+# leave for each other (gerl/engine/pool.py keeps one shape of hosts at a time): placed before, each sent the
+# next run back to starting hosts (~7 s of CPU each). Any order passes.
+def test_hybrid_on_ray(tmp_path):
+    train(small_config(tmp_path, "max_steps=2", "engine.kind=ray", "engine.hybrid=true", "engine.device=cpu",
+                       "engine.cpus_per_worker=2"))
+    rows = _rows(tmp_path)
+    assert [r["policy_lag"] for r in rows] == [0, 0] and [r["policy_version"] for r in rows] == [0, 1]
+    # Lag 0 is more than a version number: step 2 was generated with the weights step 1 trained, so before its
+    # update the actor's log-probs of those very transitions are the rollout's, up to fp32 rounding (1.2e-7 here;
+    # a rollout left on its own copy of the weights gives 3.4e-4)
+    assert rows[0]["grad_norm"] > 0 and all(r["ratio_max_dev_before_update"] < 1e-5 for r in rows)
+
+
+def test_reward_replicas_as_ray_actors_keep_order_and_survive_a_death():
+    from PIL import Image
+
+    from gerl.workers.reward import RewardExecutor
+    from tests.workers import faulty
+
+    img = Image.new("RGB", (8, 8))
+    ex = RewardExecutor(faulty.DiesOn(), "ray", workers=2, timeout_s=30, retries=0, num_cpus=0.5)
+    futs = [ex.submit([img, img], [p, p + "x"], [{}, {}]) for p in ("a", "bb", "ccc")]
+    assert [ex.result(f).scores for f in futs] == [[1.0, 2.0], [2.0, 3.0], [3.0, 4.0]]
+    dead = ex.result(ex.submit([img], ["die"], [{}]))
+    assert dead.failed == [True] and ex.worker_restarts == 1
+    again = [ex.result(ex.submit([img], ["ok"], [{}])) for _ in range(2)]  # both replicas answer again
+    assert [r.scores for r in again] == [[2.0], [2.0]]
+    ex.close()

@@ -28,7 +28,8 @@ LAUNCHERS = ["run_sd3_fast_1p_with_reward.sh", "run_sd3_fast_3p_a1_r2.sh", "run_
 # The two decoupled launchers are rehearsed across two Ray nodes (tests/engine/test_rehearsal_two_nodes.py), with
 # the same checks (check_rehearsal) and the cross-node ones; the other three here, on one node.
 DECOUPLED = ["run_sd3_fast_3p_a1_r2.sh", "run_sd3_fast_3p_a2_r1.sh"]
-ONE_NODE = [name for name in LAUNCHERS if name not in DECOUPLED]
+# the 3-host layout last: the pure-NCCL test below then runs on the 3 hosts it left (gerl/engine/pool.py)
+ONE_NODE = sorted((name for name in LAUNCHERS if name not in DECOUPLED), key=lambda name: "_3p_" in name)
 QUIET = ["log.progress_bar=false", "log.tensorboard=false", "log.images_every=0"]
 
 
